@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each writes JSON (and PNG where a curve says more)."""

@@ -1,0 +1,1 @@
+"""The control plane: statistics, profiles, the Aggregate LLM Pipeline, search, placement, rollout."""

@@ -1,0 +1,195 @@
+"""Scepsy's settings: one YAML file parsed once into frozen, documented dataclasses.
+
+Role: the schema of every section both the proxy and the optimizer read, and the loader.
+Invariants: values are validated here, once; a bad value raises ``SettingsError`` naming its
+key path (``proxy.upstreams[1].url: must start with http:// or https://``); settings objects
+are immutable after loading, so they can be shared across tasks and threads freely.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shared.settings_schema import SettingsError, decode, describe, setting
+
+__all__ = [
+    "ProxySettings",
+    "RoutingSettings",
+    "Settings",
+    "SettingsError",
+    "StoreSettings",
+    "UpstreamSettings",
+    "describe",
+    "load_settings",
+    "parse_host_port",
+]
+
+
+def parse_host_port(value: str, key: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:80`` allowed), or raise naming ``key``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise SettingsError(key, f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """One engine replica serving one model."""
+
+    model: str = setting(doc="model name clients send in the `model` field")
+    url: str = setting(doc="base URL of the engine, e.g. http://10.0.0.5:8000 (no /v1)")
+    api_key: str | None = setting(
+        None, doc="key sent upstream instead of the client's Authorization (null: pass through)"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise SettingsError("model", "must not be empty")
+        if not self.url.startswith(("http://", "https://")):
+            raise SettingsError("url", f"must start with http:// or https://, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """How a call picks one of its model's replicas."""
+
+    policy: Literal["least_outstanding", "prefix_affinity"] = setting(
+        "least_outstanding",
+        doc="least_outstanding: power of two choices on in-flight calls; prefix_affinity: "
+        "calls sharing a prompt prefix go to the replica that saw it",
+    )
+    prefix_chars: int = setting(
+        512, doc="prompt characters hashed for prefix affinity (the shared system prompt + task)"
+    )
+    affinity_slack: int = setting(
+        8,
+        doc="prefix affinity falls back to the least-loaded replica when the preferred one has "
+        "this many more in-flight calls than it",
+    )
+    affinity_entries: int = setting(65536, doc="prefixes remembered (LRU) for prefix affinity")
+    eject_after_failures: int = setting(
+        3, doc="consecutive connection failures after which a replica is ejected"
+    )
+    eject_seconds: float = setting(10.0, doc="how long an ejected replica stays out at least")
+    probe_interval_s: float = setting(
+        1.0, doc="how often an ejected replica's /health is probed once its ejection has passed"
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("prefix_chars", "affinity_entries", "eject_after_failures"):
+            if getattr(self, key) < 1:
+                raise SettingsError(key, "must be at least 1")
+        if self.affinity_slack < 0:
+            raise SettingsError("affinity_slack", "must not be negative")
+        for key in ("eject_seconds", "probe_interval_s"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(key, "must be positive")
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """The sidecar proxy (data plane)."""
+
+    listen: str = setting("127.0.0.1:8080", doc="HOST:PORT the proxy listens on (port 0: any)")
+    proxy_id: str | None = setting(
+        None, doc="this proxy's id in the store (default: hostname-pid)"
+    )
+    default_workflow: str | None = setting(
+        None, doc="workflow name for calls that name none (sidecar mode: one proxy per app)"
+    )
+    upstreams: tuple[UpstreamSettings, ...] = setting(
+        factory=tuple, doc="engine replicas; several entries for one model are its replicas"
+    )
+    routing: RoutingSettings = setting(factory=RoutingSettings, doc="replica choice")
+    admin_token: str | None = setting(
+        None, doc="bearer token for /admin/routes (null: the admin API is disabled)"
+    )
+    client_keys: tuple[str, ...] = setting(
+        factory=tuple, doc="if not empty, clients must send one of these as their bearer key"
+    )
+    max_body_bytes: int = setting(16 * 1024 * 1024, doc="largest request body accepted (413 above)")
+    connect_timeout_s: float = setting(5.0, doc="upstream connect timeout")
+    upstream_timeout_s: float = setting(
+        600.0, doc="longest an upstream call may take end to end (streams included)"
+    )
+    read_timeout_s: float = setting(
+        300.0, doc="longest silence between two chunks of an upstream response"
+    )
+    shutdown_grace_s: float = setting(
+        30.0, doc="on SIGTERM, how long in-flight calls may take to finish before they are cut"
+    )
+    record_bodies: bool = setting(True, doc="keep request bodies in the store (profiling replays them)")
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.listen, "listen")
+        if self.max_body_bytes < 1024:
+            raise SettingsError("max_body_bytes", "must be at least 1024")
+        for key in ("connect_timeout_s", "upstream_timeout_s", "read_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(key, "must be positive")
+        if self.shutdown_grace_s < 0:
+            raise SettingsError("shutdown_grace_s", "must not be negative")
+        seen: set[tuple[str, str]] = set()
+        for i, up in enumerate(self.upstreams):
+            if (up.model, up.url) in seen:
+                raise SettingsError(f"upstreams[{i}]", f"duplicate replica {up.model}={up.url}")
+            seen.add((up.model, up.url))
+
+    @property
+    def resolved_proxy_id(self) -> str:
+        return self.proxy_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The trace store: Parquet segments under one folder (or object-store URI)."""
+
+    path: str = setting("scepsy-store", doc="folder holding calls/ and optimizer.duckdb")
+    queue_size: int = setting(
+        200_000, doc="records buffered before the proxy drops (and counts) new ones"
+    )
+    segment_rows: int = setting(50_000, doc="a segment is written once this many records wait")
+    flush_interval_s: float = setting(5.0, doc="a segment is written at least this often")
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise SettingsError("path", "must not be empty")
+        for key in ("queue_size", "segment_rows"):
+            if getattr(self, key) < 1:
+                raise SettingsError(key, "must be at least 1")
+        if self.flush_interval_s <= 0:
+            raise SettingsError("flush_interval_s", "must be positive")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole settings file."""
+
+    proxy: ProxySettings = setting(factory=ProxySettings, doc="the sidecar proxy")
+    store: StoreSettings = setting(factory=StoreSettings, doc="the trace store")
+
+
+def settings_from_mapping(data: Any) -> Settings:
+    """Decode an already-parsed YAML document."""
+    return decode(Settings, data)
+
+
+def load_settings(path: str | Path) -> Settings:
+    """Read and validate one YAML settings file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError("", f"cannot read settings file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SettingsError("", f"{path} is not valid YAML: {exc}") from exc
+    return settings_from_mapping(data)

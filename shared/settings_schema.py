@@ -1,0 +1,153 @@
+"""Generic YAML-mapping → frozen-dataclass decoder, with errors that name the key path.
+
+Role: the one mechanism every settings section is parsed by. A section is a frozen dataclass
+whose fields carry a ``doc`` in their metadata (see :func:`setting`); the decoder walks the
+type hints, so a section never writes parsing code of its own.
+
+Invariants:
+- an unknown key, a missing required key, or a value of the wrong type raises
+  :class:`SettingsError` whose ``path`` is the full dotted/indexed key (``proxy.upstreams[1].url``);
+- a section's own ``__post_init__`` checks raise :class:`SettingsError` with a path relative to
+  that section; the decoder prefixes it, so the user still sees the full path;
+- nothing here touches the file system: loading the YAML file lives in ``shared.settings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A bad settings value; ``path`` names the key, ``str()`` reads ``path: message``."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+    def under(self, prefix: str) -> SettingsError:
+        """The same error with ``prefix`` put in front of the path."""
+        if not prefix:
+            return self
+        if not self.path:
+            return SettingsError(prefix, self.message)
+        joiner = "" if self.path.startswith("[") else "."
+        return SettingsError(f"{prefix}{joiner}{self.path}", self.message)
+
+
+def setting(default: Any = dataclasses.MISSING, *, doc: str, factory: Any = None) -> Any:
+    """A documented dataclass field. ``doc`` is shown by ``scepsy-proxy --help-settings``."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _decode(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors: list[SettingsError] = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _decode(arg, value, path)
+            except SettingsError as exc:
+                errors.append(exc)
+        raise errors[0] if len(errors) == 1 else SettingsError(
+            path, f"expected one of {', '.join(_type_name(a) for a in args)}, got {value!r}"
+        )
+    if origin is typing.Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise SettingsError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise SettingsError(path, f"expected a list, got {type(value).__name__}")
+        (item_tp, *_rest) = get_args(tp) or (Any,)
+        return tuple(_decode(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value))
+    if origin is dict or origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise SettingsError(path, f"expected a mapping, got {type(value).__name__}")
+        key_tp, val_tp = get_args(tp) or (str, Any)
+        return types.MappingProxyType(
+            {_decode(key_tp, k, path): _decode(val_tp, v, _join(path, str(k))) for k, v in value.items()}
+        )
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return decode(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SettingsError(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingsError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SettingsError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SettingsError(path, f"expected a string, got {value!r}")
+        return value
+    raise SettingsError(path, f"unsupported settings type {_type_name(tp)}")  # pragma: no cover
+
+
+def decode(cls: type[T], data: Any, path: str = "") -> T:
+    """Build the frozen dataclass ``cls`` from a YAML mapping, or raise a path-naming error."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise SettingsError(path, f"expected a mapping, got {type(data).__name__}")
+    assert dataclasses.is_dataclass(cls)
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise SettingsError(_join(path, unknown[0]), f"unknown key (known keys: {known})")
+    kwargs: dict[str, Any] = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _decode(hints[name], data[name], _join(path, name))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise SettingsError(_join(path, name), "required key is missing")
+    try:
+        return cls(**kwargs)
+    except SettingsError as exc:
+        raise exc.under(path) from None
+
+
+def describe(cls: type[Any], prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key path, type, doc) for every field of ``cls`` and its nested sections."""
+    rows: list[tuple[str, str, str]] = []
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        tp = hints[field.name]
+        key = _join(prefix, field.name)
+        rows.append((key, _type_name(tp), str(field.metadata.get("doc", ""))))
+        inner = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        for sub in inner:
+            suffix = "[]" if get_origin(tp) in (list, tuple) else ""
+            rows.extend(describe(sub, key + suffix))
+    return rows

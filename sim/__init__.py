@@ -1,0 +1,1 @@
+"""Stand-ins for GPUs we do not have: performance model, engine emulator, cluster simulator."""
