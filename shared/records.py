@@ -90,8 +90,19 @@ def new_call_id() -> str:
 # Keys whose values are credentials wherever they appear in a body (compared lower-case,
 # with '-' and '_' removed). Body keys like "max_tokens" are not secrets: match whole names.
 _SECRET_KEYS = frozenset(
-    {"apikey", "authorization", "password", "secret", "token", "accesstoken", "clientsecret",
-     "bearer", "xapikey", "openaiapikey", "key"}
+    {
+        "apikey",
+        "authorization",
+        "password",
+        "secret",
+        "token",
+        "accesstoken",
+        "clientsecret",
+        "bearer",
+        "xapikey",
+        "openaiapikey",
+        "key",
+    }
 )
 _HINTS = (b"key", b"token", b"secret", b"password", b"authorization", b"bearer")
 

@@ -66,8 +66,17 @@ class RoutingSettings:
         doc="least_outstanding: power of two choices on in-flight calls; prefix_affinity: "
         "calls sharing a prompt prefix go to the replica that saw it",
     )
-    prefix_chars: int = setting(
-        512, doc="prompt characters hashed for prefix affinity (the shared system prompt + task)"
+    max_prefix_chars: int = setting(
+        8192, doc="prompt characters considered for prefix affinity (the rest is ignored)"
+    )
+    prefix_block_chars: int = setting(
+        128, doc="prefix affinity hashes the prompt in blocks of this many characters"
+    )
+    affinity_min_match: float = setting(
+        0.5,
+        doc="prefix affinity follows a remembered replica only when at least this fraction of "
+        "the prompt's blocks matched; shorter matches (a system prompt every call shares) go "
+        "to the least-loaded replica",
     )
     affinity_slack: int = setting(
         8,
@@ -84,9 +93,16 @@ class RoutingSettings:
     )
 
     def __post_init__(self) -> None:
-        for key in ("prefix_chars", "affinity_entries", "eject_after_failures"):
+        for key in (
+            "max_prefix_chars",
+            "prefix_block_chars",
+            "affinity_entries",
+            "eject_after_failures",
+        ):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")
+        if not 0.0 <= self.affinity_min_match <= 1.0:
+            raise SettingsError("affinity_min_match", "must be between 0 and 1")
         if self.affinity_slack < 0:
             raise SettingsError("affinity_slack", "must not be negative")
         for key in ("eject_seconds", "probe_interval_s"):
@@ -99,9 +115,7 @@ class ProxySettings:
     """The sidecar proxy (data plane)."""
 
     listen: str = setting("127.0.0.1:8080", doc="HOST:PORT the proxy listens on (port 0: any)")
-    proxy_id: str | None = setting(
-        None, doc="this proxy's id in the store (default: hostname-pid)"
-    )
+    proxy_id: str | None = setting(None, doc="this proxy's id in the store (default: hostname-pid)")
     default_workflow: str | None = setting(
         None, doc="workflow name for calls that name none (sidecar mode: one proxy per app)"
     )
@@ -126,7 +140,9 @@ class ProxySettings:
     shutdown_grace_s: float = setting(
         30.0, doc="on SIGTERM, how long in-flight calls may take to finish before they are cut"
     )
-    record_bodies: bool = setting(True, doc="keep request bodies in the store (profiling replays them)")
+    record_bodies: bool = setting(
+        True, doc="keep request bodies in the store (profiling replays them)"
+    )
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, "listen")

@@ -72,13 +72,19 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
                 return _decode(arg, value, path)
             except SettingsError as exc:
                 errors.append(exc)
-        raise errors[0] if len(errors) == 1 else SettingsError(
-            path, f"expected one of {', '.join(_type_name(a) for a in args)}, got {value!r}"
+        raise (
+            errors[0]
+            if len(errors) == 1
+            else SettingsError(
+                path, f"expected one of {', '.join(_type_name(a) for a in args)}, got {value!r}"
+            )
         )
     if origin is typing.Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise SettingsError(path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+            raise SettingsError(
+                path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+            )
         return value
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
@@ -90,7 +96,10 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
             raise SettingsError(path, f"expected a mapping, got {type(value).__name__}")
         key_tp, val_tp = get_args(tp) or (str, Any)
         return types.MappingProxyType(
-            {_decode(key_tp, k, path): _decode(val_tp, v, _join(path, str(k))) for k, v in value.items()}
+            {
+                _decode(key_tp, k, path): _decode(val_tp, v, _join(path, str(k)))
+                for k, v in value.items()
+            }
         )
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return decode(tp, value, path)
@@ -146,7 +155,11 @@ def describe(cls: type[Any], prefix: str = "") -> list[tuple[str, str, str]]:
         tp = hints[field.name]
         key = _join(prefix, field.name)
         rows.append((key, _type_name(tp), str(field.metadata.get("doc", ""))))
-        inner = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        inner = [
+            a
+            for a in (get_args(tp) or (tp,))
+            if isinstance(a, type) and dataclasses.is_dataclass(a)
+        ]
         for sub in inner:
             suffix = "[]" if get_origin(tp) in (list, tuple) else ""
             rows.extend(describe(sub, key + suffix))

@@ -56,7 +56,10 @@ class SegmentWriter:
         if not rows:
             return None
         columns = list(zip(*rows, strict=True))
-        batch = {name: np.array(col, dtype=object) for name, col in zip(COLUMN_NAMES, columns, strict=True)}
+        batch = {
+            name: np.array(col, dtype=object)
+            for name, col in zip(COLUMN_NAMES, columns, strict=True)
+        }
         t_min = min((r[COLUMN_NAMES.index("t_start")] or 0) for r in rows)
         name = f"seg-{t_min:016d}-{self._pid}-{next(self._seq):06d}.parquet"
         final = self.directory / name
@@ -64,7 +67,8 @@ class SegmentWriter:
         self._con.register("batch", batch)
         try:
             self._con.execute(
-                f"COPY (SELECT {_SELECT_TYPED} FROM batch) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)"
+                f"COPY (SELECT {_SELECT_TYPED} FROM batch) TO '{tmp}' "
+                "(FORMAT parquet, COMPRESSION zstd)"
             )
         finally:
             self._con.unregister("batch")
@@ -94,7 +98,9 @@ class StoreReader:
     def segments(self) -> list[Path]:
         return sorted(Path(self.store, CALLS_DIR).glob("*/*.parquet"))
 
-    def calls(self, t_from_us: int | None = None, t_to_us: int | None = None) -> duckdb.DuckDBPyRelation:
+    def calls(
+        self, t_from_us: int | None = None, t_to_us: int | None = None
+    ) -> duckdb.DuckDBPyRelation:
         """Records whose ``t_start`` lies in ``[t_from_us, t_to_us)``, as a lazy relation."""
         if self.store.startswith(("s3://", "gs://", "http://", "https://")) or self.segments():
             source = f"SELECT {_SELECT_TYPED} FROM read_parquet('{self.glob}', union_by_name=true)"

@@ -10,8 +10,14 @@ from shared.settings import SettingsError, load_settings, settings_from_mapping
 
 
 def test_defaults_and_nested_values() -> None:
-    s = settings_from_mapping({"proxy": {"upstreams": [{"model": "m", "url": "http://h:1/"}],
-                                         "routing": {"policy": "prefix_affinity"}}})
+    s = settings_from_mapping(
+        {
+            "proxy": {
+                "upstreams": [{"model": "m", "url": "http://h:1/"}],
+                "routing": {"policy": "prefix_affinity"},
+            }
+        }
+    )
     assert s.proxy.upstreams[0].url == "http://h:1"
     assert s.proxy.routing.policy == "prefix_affinity"
     assert s.store.segment_rows == 50_000
@@ -22,8 +28,17 @@ def test_defaults_and_nested_values() -> None:
 @pytest.mark.parametrize(
     ("doc", "path"),
     [
-        ({"proxy": {"upstreams": [{"model": "m", "url": "http://a"}, {"model": "m", "url": "ftp://b"}]}},
-         "proxy.upstreams[1].url"),
+        (
+            {
+                "proxy": {
+                    "upstreams": [
+                        {"model": "m", "url": "http://a"},
+                        {"model": "m", "url": "ftp://b"},
+                    ]
+                }
+            },
+            "proxy.upstreams[1].url",
+        ),
         ({"proxy": {"routing": {"policy": "random"}}}, "proxy.routing.policy"),
         ({"proxy": {"listen": "nohost"}}, "proxy.listen"),
         ({"proxy": {"max_body_bytes": "big"}}, "proxy.max_body_bytes"),

@@ -9,8 +9,15 @@ from shared.store import SegmentWriter, StoreReader, segment_dir
 
 
 def _record(i: int, **kw: object) -> CallRecord:
-    rec = CallRecord(call_id=f"c{i}", proxy_id="p1", workflow="wf", request_id=None,
-                     model="m", endpoint="/v1/chat/completions", t_start=1_000 + i)
+    rec = CallRecord(
+        call_id=f"c{i}",
+        proxy_id="p1",
+        workflow="wf",
+        request_id=None,
+        model="m",
+        endpoint="/v1/chat/completions",
+        t_start=1_000 + i,
+    )
     for k, v in kw.items():
         setattr(rec, k, v)
     return rec
@@ -47,8 +54,14 @@ def test_stale_tmp_is_removed_and_never_read(tmp_path: Path) -> None:
 def test_scrub_body_redacts_secrets_only() -> None:
     import orjson
 
-    raw = orjson.dumps({"model": "m", "max_tokens": 4, "api_key": "sk-1",
-                        "metadata": {"Authorization": "Bearer x", "token": "t"}})
+    raw = orjson.dumps(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "api_key": "sk-1",
+            "metadata": {"Authorization": "Bearer x", "token": "t"},
+        }
+    )
     out = orjson.loads(scrub_body(raw, orjson.loads(raw)))
     assert out["max_tokens"] == 4 and out["api_key"] == "[redacted]"
     assert out["metadata"] == {"Authorization": "[redacted]", "token": "[redacted]"}

@@ -1,0 +1,76 @@
+"""The admin API: read and replace the route table at run time, behind a bearer token.
+
+Role: ``GET /admin/routes`` shows every replica with its state; ``PUT /admin/routes`` with
+``{"upstreams": [{"model", "url", "api_key"?}, ...]}`` (the settings file's shape) installs a
+new table atomically. Replicas no longer listed drain: no new calls, in-flight ones finish.
+
+Invariants: with no ``admin_token`` in settings the API answers 404 (it does not exist); a wrong
+or missing token is 401; a bad table is a 400 naming the key path, and changes nothing; the
+token comparison is constant-time. ``api_key`` values are never echoed back.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from aiohttp import web
+
+from proxy.app import ROUTER, SETTINGS
+from proxy.errors import BadRequest, ProxyError, RouteNotFound, Unauthorized
+from shared.settings import ProxySettings, UpstreamSettings
+from shared.settings_schema import SettingsError, decode
+
+
+def _authorise(request: web.Request) -> None:
+    token = request.app[SETTINGS].proxy.admin_token
+    if token is None:
+        raise RouteNotFound("The admin API is disabled (no proxy.admin_token in settings).")
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized("Missing or wrong admin token.")
+
+
+def _respond(request: web.Request) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(request.app[ROUTER].snapshot()), content_type="application/json"
+    )
+
+
+async def get_routes(request: web.Request) -> web.Response:
+    try:
+        _authorise(request)
+    except ProxyError as exc:
+        return exc.response()
+    return _respond(request)
+
+
+def parse_routes(data: object) -> tuple[UpstreamSettings, ...]:
+    """The ``upstreams`` of a PUT body, validated exactly as the settings file is."""
+    if not isinstance(data, dict) or set(data) - {"upstreams"} or "upstreams" not in data:
+        raise BadRequest('Body must be {"upstreams": [{"model": ..., "url": ...}, ...]}.')
+    try:
+        proxy = decode(ProxySettings, {"upstreams": data["upstreams"]})
+    except SettingsError as exc:
+        raise BadRequest(str(exc), param=exc.path) from exc
+    return proxy.upstreams
+
+
+async def put_routes(request: web.Request) -> web.Response:
+    try:
+        _authorise(request)
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"Body is not valid JSON: {exc.msg}.") from exc
+        upstreams = parse_routes(data)
+    except ProxyError as exc:
+        return exc.response()
+    request.app[ROUTER].replace(upstreams)
+    return _respond(request)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/routes", get_routes)
+    app.router.add_put("/admin/routes", put_routes)

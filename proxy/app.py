@@ -1,0 +1,180 @@
+"""The proxy's aiohttp application: app factory, state keys, background tasks, read-only routes.
+
+Role: wires settings, router, recorder, metrics and the upstream HTTP session into one
+``web.Application`` (``make_app``). The forwarding handler lives in ``proxy.forward``, the
+admin API in ``proxy.admin``.
+
+Invariants:
+- all state hangs off ``web.AppKey``s; background work (recorder, health prober, the client
+  session) is started and stopped by ``cleanup_ctx``, in an order that lets shutdown drain
+  in-flight calls first and flush their records last;
+- the proxy never waits for the control plane: it serves with the routes it was last given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.metrics import ProxyMetrics
+from proxy.recorder import Recorder
+from proxy.router import Replica, Router
+from shared.settings import Settings
+
+log = logging.getLogger("scepsy.proxy")
+
+SETTINGS = web.AppKey("settings", Settings)
+ROUTER = web.AppKey("router", Router)
+RECORDER = web.AppKey("recorder", Recorder)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+PROXY_ID = web.AppKey("proxy_id", str)
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS].proxy
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    timeout = aiohttp.ClientTimeout(
+        total=s.upstream_timeout_s, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
+    )
+    # auto_decompress off: bodies are relayed as the engine sent them, never re-encoded.
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    ) as session:
+        app[SESSION] = session
+        yield
+
+
+async def _recorder_ctx(app: web.Application) -> AsyncIterator[None]:
+    recorder = app[RECORDER]
+    await recorder.start()
+    yield
+    # Runs after the server stopped and in-flight handlers finished: nothing is left to record.
+    await recorder.close()
+    log.info("recorder closed: %d written, %d dropped", recorder.written, recorder.dropped)
+
+
+async def _probe(session: aiohttp.ClientSession, rep: Replica, limit_s: float) -> bool:
+    try:
+        async with session.get(
+            f"{rep.url}/health", timeout=aiohttp.ClientTimeout(total=limit_s)
+        ) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def _prober_ctx(app: web.Application) -> AsyncIterator[None]:
+    router, session = app[ROUTER], app[SESSION]
+    interval = app[SETTINGS].proxy.routing.probe_interval_s
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(min(interval, 1.0))
+            due = router.due_probes()
+            if due:
+                results = await asyncio.gather(*(_probe(session, r, interval) for r in due))
+                for rep, ok in zip(due, results, strict=True):
+                    router.probe_result(rep, ok)
+                    if ok:
+                        log.info("replica %s of %s is back", rep.url, rep.model)
+
+    task = asyncio.create_task(loop(), name="scepsy-prober")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    return _json(
+        {
+            "status": "ok",
+            "proxy_id": request.app[PROXY_ID],
+            "models": router.models(),
+            "routes_version": router.version,
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``/v1/models`` merged over the upstreams: each routed model once, with the engine's own
+    metadata (``max_model_len``, ``owned_by``, ...) from the first replica that answers."""
+    router, session = request.app[ROUTER], request.app[SESSION]
+    first: dict[str, Replica] = {}
+    for rep in router.replicas():
+        if rep.active:
+            first.setdefault(rep.model, rep)
+
+    async def fetch(rep: Replica) -> list[dict[str, object]]:
+        headers = {"Authorization": f"Bearer {rep.api_key}"} if rep.api_key else {}
+        auth = request.headers.get("Authorization")
+        if auth and not rep.api_key and not request.app[SETTINGS].proxy.client_keys:
+            headers["Authorization"] = auth
+        try:
+            async with session.get(
+                f"{rep.url}/v1/models", headers=headers, timeout=aiohttp.ClientTimeout(total=3)
+            ) as r:
+                data = orjson.loads(await r.read()).get("data", []) if r.status == 200 else []
+                return [d for d in data if isinstance(d, dict)]
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
+            return []
+
+    fetched = await asyncio.gather(*(fetch(r) for r in first.values()))
+    merged: dict[str, dict[str, object]] = {}
+    for model, entries in zip(first, fetched, strict=True):
+        own = next((e for e in entries if e.get("id") == model), None)
+        merged[model] = own or {"id": model, "object": "model", "owned_by": "scepsy"}
+    for model in router.models():
+        merged.setdefault(model, {"id": model, "object": "model", "owned_by": "scepsy"})
+    return _json({"object": "list", "data": list(merged.values())})
+
+
+def make_app(settings: Settings) -> web.Application:
+    """The proxy application for ``settings``; serve it with ``handler_cancellation=True`` so a
+    client that hangs up cancels its upstream call (``proxy.cli`` does)."""
+    from proxy import admin, forward  # the handlers need the keys defined above
+
+    app = web.Application(client_max_size=settings.proxy.max_body_bytes)
+    proxy_id = settings.proxy.resolved_proxy_id
+    app[SETTINGS] = settings
+    app[PROXY_ID] = proxy_id
+    recorder = Recorder(settings.store, proxy_id)
+    app[RECORDER] = recorder
+    app[ROUTER] = Router(
+        settings.proxy.routing,
+        settings.proxy.upstreams,
+        on_eject=lambda rep: app[METRICS].ejections.labels(rep.model, rep.url).inc(),
+    )
+    app[METRICS] = ProxyMetrics(app[ROUTER], recorder)
+    # Order matters: started first, stopped last. The recorder outlives the session and the
+    # prober, so records of calls cut at shutdown are still written.
+    app.cleanup_ctx.extend([_recorder_ctx, _session_ctx, _prober_ctx])
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/w/{workflow}/v1/models", list_models)
+    app.router.add_get("/w/{workflow}/r/{rid}/v1/models", list_models)
+    admin.add_routes(app)
+    app.router.add_post("/{tail:.*}", forward.handle)
+    return app

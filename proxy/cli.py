@@ -1,0 +1,152 @@
+"""``scepsy-proxy``: run the proxy from a settings file or from command-line flags.
+
+Role: the process edge: parse arguments into :class:`shared.settings.Settings`, serve the app,
+turn SIGTERM/SIGINT into a graceful shutdown (stop accepting, let in-flight calls finish for
+``proxy.shutdown_grace_s``, flush the recorder), and report bad settings as one line naming
+the key, exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.app import make_app
+from shared.settings import (
+    Settings,
+    SettingsError,
+    describe,
+    load_settings,
+    parse_host_port,
+    settings_from_mapping,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scepsy-proxy", description="Scepsy's OpenAI-compatible sidecar proxy."
+    )
+    p.add_argument("--config", help="settings YAML file (other flags then override it)")
+    p.add_argument("--listen", help="HOST:PORT to listen on (default 127.0.0.1:8080)")
+    p.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="MODEL=URL",
+        help="an engine replica; repeat for more replicas and models",
+    )
+    p.add_argument("--store", help="trace store folder")
+    p.add_argument("--workflow", help="default workflow name for calls that name none")
+    p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
+    p.add_argument("--help-settings", action="store_true", help="list every settings key and exit")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    base = load_settings(args.config) if args.config else Settings()
+    proxy: dict[str, object] = {}
+    if args.listen:
+        parse_host_port(args.listen, "--listen")
+        proxy["listen"] = args.listen
+    if args.upstream:
+        ups = []
+        for i, spec in enumerate(args.upstream):
+            model, sep, url = spec.partition("=")
+            if not sep or not model or not url:
+                raise SettingsError(f"--upstream[{i}]", f"expected MODEL=URL, got {spec!r}")
+            ups.append({"model": model, "url": url})
+        proxy["upstreams"] = ups
+    if args.workflow:
+        proxy["default_workflow"] = args.workflow
+    if not (args.config or args.upstream):
+        raise SettingsError("--upstream", "give --config FILE or at least one --upstream MODEL=URL")
+    return _merge(base, proxy, args)
+
+
+def _merge(base: Settings, proxy: dict[str, object], args: argparse.Namespace) -> Settings:
+    """Overlay flags on the file's settings and validate the result as one document."""
+    import dataclasses
+
+    def plain(obj: object) -> object:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, tuple):
+            return [plain(x) for x in obj]
+        return obj
+
+    doc = plain(base)
+    assert isinstance(doc, dict)
+    doc["proxy"].update(proxy)
+    if args.routing:
+        doc["proxy"]["routing"]["policy"] = args.routing
+    if args.store:
+        doc["store"]["path"] = args.store
+    return settings_from_mapping(doc)
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    app = make_app(settings)
+    s = settings.proxy
+    host, port = parse_host_port(s.listen, "proxy.listen")
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=s.shutdown_grace_s, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    actual = sockets[0].getsockname()[1] if sockets else port
+    print(
+        f"scepsy-proxy listening on http://{host}:{actual} (store {settings.store.path})",
+        flush=True,
+    )
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        logging.getLogger("scepsy.proxy").info("shutting down: draining in-flight calls")
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.help_settings:
+        from shared.settings import Settings as Root
+
+        for key, tp, doc in describe(Root):
+            print(f"{key:42} {tp:28} {doc}")
+        return 0
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as exc:
+        print(f"scepsy-proxy: bad settings: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings))
+    except OSError as exc:
+        print(
+            f"scepsy-proxy: cannot listen on {settings.proxy.listen}: {exc.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

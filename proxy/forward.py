@@ -1,0 +1,305 @@
+"""Forwarding one client call: validate, identify, route, call upstream (retrying once), relay,
+and record — whatever happens.
+
+Role: the ``POST`` handler behind every engine route. Parsing and validation produce a
+:class:`Call`; :func:`handle` runs the exchange and turns :class:`~proxy.errors.ProxyError`s
+into OpenAI-style responses at this boundary.
+
+Invariants:
+- every attempt that reached an upstream (or tried to) becomes one record, submitted in a
+  ``finally`` without awaiting, so a cancelled handler (client hang-up, shutdown) still records;
+- only connection failures before the upstream answered are retried, once, on another replica;
+  once a byte may have reached the engine's response path nothing is retried;
+- credentials never reach the store, and ``X-Scepsy-*`` headers never reach an upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, SESSION, SETTINGS
+from proxy.errors import (
+    BadRequest,
+    BodyTooLarge,
+    ModelNotFound,
+    NoReplica,
+    ProxyError,
+    RouteNotFound,
+    Unauthorized,
+    UpstreamFailed,
+    UpstreamTimeout,
+)
+from proxy.identity import identify, is_private_header
+from proxy.relay import relay_body, relay_stream
+from proxy.router import Replica
+from shared.records import CallRecord, new_call_id, now_us, scrub_body
+
+ENGINE_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/v1/score",
+        "/score",
+        "/pooling",
+        "/classify",
+    }
+)
+_STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+_DROP_UPSTREAM = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "accept-encoding",
+        "authorization",
+        "api-key",
+        "x-api-key",
+    }
+)
+# Connection failures that prove the engine never started on the call: safe to retry.
+_CONNECT_ERRORS = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+
+
+@dataclass(slots=True)
+class Call:
+    path: str
+    model: str
+    payload: bytes
+    stream: bool
+    strip_usage: bool
+    prompt: str | None
+    headers: CIMultiDict[str]
+    client_auth: str | None
+
+
+def _prompt_text(body: dict[str, Any]) -> str | None:
+    """The text engines cache by prefix: chat messages in order, or a completion prompt."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        for msg in messages:
+            if isinstance(msg, dict):
+                content = msg.get("content")
+                if isinstance(content, list):
+                    content = "".join(
+                        str(p.get("text", "")) for p in content if isinstance(p, dict)
+                    )
+                parts.append(f"{msg.get('role', '')}:{content or ''}\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[0]
+    return None
+
+
+def _check_client(request: web.Request) -> str | None:
+    """The client's Authorization to pass on, or None; 401 when the proxy's own keys are set
+    and the client sent none of them (then the client's key is the proxy's, never forwarded)."""
+    auth = request.headers.get("Authorization")
+    keys = request.app[SETTINGS].proxy.client_keys
+    if not keys:
+        return auth
+    token = auth[7:].strip() if auth and auth[:7].lower() == "bearer " else None
+    if token not in keys:
+        raise Unauthorized("Incorrect API key provided to the Scepsy proxy.")
+    return None
+
+
+async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    limit = request.app[SETTINGS].proxy.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"Request body of {request.content_length} bytes exceeds {limit}.")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise BodyTooLarge(f"Request body exceeds {limit} bytes.") from exc
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc.msg}.") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object.")
+    return raw, body
+
+
+def _upstream_headers(request: web.Request) -> CIMultiDict[str]:
+    return CIMultiDict(
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in _DROP_UPSTREAM and not is_private_header(k)
+    )
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    try:
+        call, rec = await _prepare(request)
+    except ProxyError as exc:
+        request.app[METRICS].rejected(exc.status)
+        return exc.response()
+    try:
+        return await _exchange(request, call, rec)
+    except ProxyError as exc:  # already counted and recorded by the exchange
+        return exc.response()
+
+
+async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
+    """Validate and identify the call; raises the 4xx a malformed call deserves."""
+    app = request.app
+    settings = app[SETTINGS].proxy
+    client_auth = _check_client(request)
+    raw, body = await _read_body(request)
+    ident = identify(request.path, request.headers, body, settings.default_workflow)
+    path = ident.upstream_path
+    model = body.get("model")
+    if path not in ENGINE_ROUTES and not (isinstance(model, str) and app[ROUTER].knows(model)):
+        raise RouteNotFound(f"Unknown route POST {path}.")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("Missing required field `model`.", param="model")
+    if not app[ROUTER].knows(model):
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+
+    stream = bool(body.get("stream")) and path in _STREAMING_ROUTES
+    strip_usage = False
+    payload = raw
+    if stream:
+        options = body.get("stream_options")
+        if not isinstance(options, dict) or (options and not options.get("include_usage")):
+            # Ask for usage on the client's behalf; the extra event is removed on the way back.
+            body["stream_options"] = {**(options or {}), "include_usage": True}
+            payload = orjson.dumps(body)
+            strip_usage = True
+            body["stream_options"] = options
+            if options is None:
+                del body["stream_options"]
+    rec = CallRecord(
+        call_id=request.headers.get("Idempotency-Key") or new_call_id(),
+        proxy_id=app[PROXY_ID],
+        workflow=ident.workflow,
+        request_id=ident.request_id,
+        model=model,
+        endpoint=path,
+        stream=stream,
+        t_start=now_us(),
+        request_bytes=len(raw),
+        attempt=_client_retries(request),
+        body=scrub_body(raw, body) if settings.record_bodies else None,
+    )
+    prompt = _prompt_text(body) if settings.routing.policy == "prefix_affinity" else None
+    call = Call(
+        path, model, payload, stream, strip_usage, prompt, _upstream_headers(request), client_auth
+    )
+    return call, rec
+
+
+def _client_retries(request: web.Request) -> int:
+    value = request.headers.get("x-stainless-retry-count", "0")
+    return int(value) if value.isdigit() else 0
+
+
+async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.StreamResponse:
+    app = request.app
+    router, recorder, metrics = app[ROUTER], app[RECORDER], app[METRICS]
+    tried: list[Replica] = []
+    status = 0
+    while True:
+        rep = router.pick(call.model, call.prompt, exclude=tried)
+        tried.append(rep)
+        rec.upstream = rep.url
+        headers = call.headers.copy()
+        auth = f"Bearer {rep.api_key}" if rep.api_key else call.client_auth
+        if auth:
+            headers["Authorization"] = auth
+        router.acquire(rep)
+        retry = False
+        try:
+            async with app[SESSION].post(
+                rep.url + call.path, data=call.payload, headers=headers
+            ) as upstream:
+                router.succeeded(rep)
+                status = upstream.status
+                rec.status = status
+                if upstream.status >= 500:
+                    metrics.upstream_error(call.model, rep.url, str(upstream.status))
+                ctype = upstream.headers.get("Content-Type", "")
+                if call.stream and status == 200 and ctype.startswith("text/event-stream"):
+                    return await relay_stream(request, upstream, rec, call.strip_usage)
+                return await relay_body(upstream, rec)
+        except _CONNECT_ERRORS as exc:
+            if rec.status is not None:  # the upstream had answered: not a connect failure
+                rec.error = f"upstream broke the response: {exc}"
+                status = UpstreamFailed.status
+                raise UpstreamFailed("The upstream engine broke the response.") from exc
+            router.failed(rep)
+            metrics.upstream_error(call.model, rep.url, "connect")
+            rec.error = f"connect: {exc.__class__.__name__}: {exc}"
+            retry = len(tried) == 1 and _has_alternative(router, call.model, tried)
+            if not retry:
+                status = NoReplica.status
+                raise NoReplica(f"No replica of `{call.model}` could be reached.") from exc
+            metrics.retries.labels(call.model).inc()
+        except TimeoutError as exc:
+            metrics.upstream_error(call.model, rep.url, "timeout")
+            rec.error = "upstream timed out"
+            status = UpstreamTimeout.status
+            raise UpstreamTimeout("The upstream engine did not answer in time.") from exc
+        except aiohttp.ClientError as exc:
+            metrics.upstream_error(call.model, rep.url, "disconnect")
+            rec.error = f"upstream: {exc.__class__.__name__}: {exc}"
+            status = UpstreamFailed.status
+            raise UpstreamFailed("The upstream engine broke the exchange.") from exc
+        except (asyncio.CancelledError, ConnectionResetError):
+            rec.error = rec.error or "client disconnected"
+            status = 499  # nginx's "client closed request", for metrics only
+            raise
+        finally:
+            router.release(rep)
+            rec.t_end = now_us()
+            recorder.submit(rec)
+            if not retry:
+                metrics.observe(rec, status or 500)
+        # Retry: the failed attempt is recorded above; the next attempt is a new row of the
+        # same logical call.
+        rec = _next_attempt(rec)
+
+
+def _has_alternative(router: Any, model: str, tried: list[Replica]) -> bool:
+    return any(r.active and r not in tried for r in router.replicas() if r.model == model)
+
+
+def _next_attempt(rec: CallRecord) -> CallRecord:
+    return CallRecord(
+        call_id=rec.call_id,
+        proxy_id=rec.proxy_id,
+        workflow=rec.workflow,
+        request_id=rec.request_id,
+        model=rec.model,
+        endpoint=rec.endpoint,
+        attempt=rec.attempt + 1,
+        stream=rec.stream,
+        t_start=rec.t_start,
+        request_bytes=rec.request_bytes,
+        body=rec.body,
+    )

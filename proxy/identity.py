@@ -1,0 +1,117 @@
+"""Workflow identity (DESIGN §3.1): which workflow and which workflow request a call belongs to.
+
+Role: pure functions from a call's path, headers and parsed body to ``(workflow, request_id)``
+and the upstream path. Sources are tried in the order DESIGN §3.1 gives; the first present wins.
+
+Invariants:
+- the ``/w/<workflow>[/r/<id>]`` path prefix is removed before the call goes upstream;
+- ``X-Scepsy-*`` headers never go upstream (see :func:`is_private_header`); ``traceparent`` does;
+- a request id is ``None`` when no source names one (such calls are excluded from per-request
+  statistics, and counted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+WORKFLOW_HEADER = "X-Scepsy-Workflow"
+REQUEST_ID_HEADER = "X-Scepsy-Request-Id"
+PRIVATE_HEADER_PREFIX = "x-scepsy-"
+
+# Session headers other tools already send, in the order they are trusted. One table: add a
+# tool here and nowhere else.
+SESSION_HEADERS: tuple[str, ...] = (
+    "x-session-id",
+    "Helicone-Session-Id",
+    "X-SMG-Routing-Key",
+    "x-session-token",
+    "agent-session-id",
+)
+# Body fields that carry a session/root id: (path of keys, what the tool is).
+SESSION_BODY_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("vllm_xargs", "agentic_context"), "vLLM agentic context root id"),
+    (("metadata", "litellm_session_id"), "LiteLLM session"),
+    (("litellm_session_id",), "LiteLLM session (top level)"),
+)
+# Inside a structured agentic_context, the keys that name the root of the agent run.
+_ROOT_KEYS = ("root_id", "root_request_id", "session_id", "id")
+
+_PREFIX = re.compile(r"^/w/(?P<workflow>[^/]+)(?:/r/(?P<rid>[^/]+))?(?P<rest>/.*)$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?P<trace>[0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+_ZERO_TRACE = "0" * 32
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    workflow: str | None
+    request_id: str | None
+    upstream_path: str
+    source: str  # which source gave the request id ("header", "path", a session header, ...)
+
+
+def split_path(path: str) -> tuple[str | None, str | None, str]:
+    """``/w/<wf>/r/<id>/v1/x`` → (wf, id, ``/v1/x``); other paths pass through unchanged."""
+    m = _PREFIX.match(path)
+    if m is None:
+        return None, None, path
+    return m["workflow"], m["rid"], m["rest"]
+
+
+def _dig(body: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    value: Any = body
+    for key in keys:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _body_session(body: Mapping[str, Any]) -> tuple[str | None, str]:
+    for keys, what in SESSION_BODY_FIELDS:
+        value = _dig(body, keys)
+        if isinstance(value, Mapping):
+            value = next((value[k] for k in _ROOT_KEYS if value.get(k)), None)
+        if isinstance(value, str | int) and str(value):
+            return str(value), what
+    return None, ""
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The W3C trace-id of a ``traceparent`` header, or None when absent or invalid."""
+    if not traceparent:
+        return None
+    m = _TRACEPARENT.match(traceparent.strip().lower())
+    if m is None or m["trace"] == _ZERO_TRACE:
+        return None
+    return m["trace"]
+
+
+def identify(
+    path: str, headers: Mapping[str, str], body: Mapping[str, Any], default_workflow: str | None
+) -> Identity:
+    """Workflow and request id of one call, from the first source present (DESIGN §3.1)."""
+    path_wf, path_rid, upstream_path = split_path(path)
+    workflow = headers.get(WORKFLOW_HEADER) or path_wf or default_workflow
+    rid = headers.get(REQUEST_ID_HEADER)
+    if rid:
+        return Identity(workflow, rid, upstream_path, "header")
+    if path_rid:
+        return Identity(workflow, path_rid, upstream_path, "path")
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return Identity(workflow, value, upstream_path, name.lower())
+    value, what = _body_session(body)
+    if value:
+        return Identity(workflow, value, upstream_path, what)
+    tid = trace_id(headers.get("traceparent"))
+    if tid:
+        return Identity(workflow, tid, upstream_path, "traceparent")
+    return Identity(workflow, None, upstream_path, "none")
+
+
+def is_private_header(name: str) -> bool:
+    return name.lower().startswith(PRIVATE_HEADER_PREFIX)

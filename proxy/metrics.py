@@ -1,0 +1,166 @@
+"""The proxy's Prometheus metrics (names in ``shared.metric_names``), on a per-app registry.
+
+Role: one :class:`ProxyMetrics` per app. Per-call figures are observed once per finished call
+(:meth:`ProxyMetrics.observe`); state that already lives elsewhere (in-flight calls per replica,
+recorder depth and counters) is read at scrape time by a collector instead of being mirrored
+on the hot path.
+
+Invariants: label children are cached per label tuple, so a call costs dict lookups, not the
+client library's label validation; the registry is private to the app, so several proxies (and
+tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.recorder import Recorder
+from proxy.router import Router
+from shared import metric_names as names
+from shared.records import CallRecord
+
+# Latency buckets from sub-millisecond (embeddings through a fast proxy) to long generations.
+_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+
+
+class _StateCollector(Collector):
+    def __init__(self, router: Router, recorder: Recorder) -> None:
+        self._router = router
+        self._recorder = recorder
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily(
+            names.PROXY_IN_FLIGHT, "Calls in flight per replica", labels=["model", "upstream"]
+        )
+        replicas = GaugeMetricFamily(
+            names.PROXY_REPLICAS, "Replicas per model and state", labels=["model", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for rep in self._router.replicas():
+            in_flight.add_metric([rep.model, rep.url], rep.in_flight)
+            state = str(rep.describe()["state"])
+            counts[(rep.model, state)] = counts.get((rep.model, state), 0) + 1
+        for (model, state), n in counts.items():
+            replicas.add_metric([model, state], n)
+        rec = self._recorder
+        depth = GaugeMetricFamily(names.PROXY_QUEUE_DEPTH, "Call records not yet on disk")
+        depth.add_metric([], rec.depth)
+        written = CounterMetricFamily(
+            names.PROXY_RECORDS_WRITTEN.removesuffix("_total"), "Call records written to the store"
+        )
+        written.add_metric([], rec.written)
+        dropped = CounterMetricFamily(
+            names.PROXY_RECORDS_DROPPED.removesuffix("_total"),
+            "Call records dropped (queue full or store failing)",
+        )
+        dropped.add_metric([], rec.dropped)
+        segments = CounterMetricFamily(
+            names.PROXY_SEGMENTS_WRITTEN.removesuffix("_total"), "Parquet segments written"
+        )
+        segments.add_metric([], rec.segments)
+        yield from (in_flight, replicas, depth, written, dropped, segments)
+
+
+class ProxyMetrics:
+    def __init__(self, router: Router, recorder: Recorder) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            names.PROXY_REQUESTS,
+            "Calls answered, by status code",
+            ["workflow", "model", "code"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            names.PROXY_REQUEST_DURATION,
+            "Call duration seen by the proxy",
+            ["workflow", "model"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            names.PROXY_TTFB,
+            "Time to the upstream's first response byte",
+            ["workflow", "model"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            names.PROXY_PROMPT_TOKENS,
+            "Prompt tokens (engine usage)",
+            ["workflow", "model"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            names.PROXY_COMPLETION_TOKENS,
+            "Completion tokens (engine usage)",
+            ["workflow", "model"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            names.PROXY_UPSTREAM_ERRORS,
+            "Upstream failures: connect, timeout, disconnect, or HTTP status",
+            ["model", "upstream", "code"],
+            registry=r,
+        )
+        self.retries = Counter(
+            names.PROXY_RETRIES, "Calls retried on another replica", ["model"], registry=r
+        )
+        self.ejections = Counter(
+            names.PROXY_EJECTIONS,
+            "Replicas ejected after repeated failures",
+            ["model", "upstream"],
+            registry=r,
+        )
+        r.register(_StateCollector(router, recorder))
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe(self, rec: CallRecord, status: int) -> None:
+        """One finished logical call (its last attempt)."""
+        wf, model = rec.workflow or "", rec.model
+        self._child(self.requests, wf, model, str(status)).inc()
+        if rec.t_end is not None:
+            self._child(self.duration, wf, model).observe((rec.t_end - rec.t_start) / 1e6)
+        if rec.t_first_byte is not None:
+            self._child(self.ttfb, wf, model).observe((rec.t_first_byte - rec.t_start) / 1e6)
+        if rec.prompt_tokens:
+            self._child(self.prompt_tokens, wf, model).inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            self._child(self.completion_tokens, wf, model).inc(rec.completion_tokens)
+
+    def rejected(self, status: int) -> None:
+        """A call refused before it had a model and workflow (bad body, auth, unknown route)."""
+        self._child(self.requests, "", "", str(status)).inc()
+
+    def upstream_error(self, model: str, upstream: str, code: str) -> None:
+        self._child(self.upstream_errors, model, upstream, code).inc()

@@ -1,0 +1,109 @@
+"""The recorder: takes call records from request handlers without waiting, writes segments.
+
+Role: the bounded buffer between the request path and the trace store. Handlers call
+:meth:`Recorder.submit` (synchronous, O(1), never awaits, so it is safe in a ``finally`` of a
+cancelled handler); one background task hands full or aged batches to a worker thread that
+writes them through :class:`shared.store.SegmentWriter`.
+
+Invariants:
+- ``submit`` never blocks: past ``queue_size`` pending records a record is dropped and counted;
+- pending = buffered + being written ≤ ``queue_size``;
+- a segment is written when ``segment_rows`` records wait or ``flush_interval_s`` passed, and
+  everything still buffered is written by :meth:`close` (graceful shutdown);
+- one writer thread at a time owns the DuckDB connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from operator import attrgetter
+from typing import Any
+
+from shared.records import COLUMN_NAMES, CallRecord
+from shared.settings import StoreSettings
+from shared.store import SegmentWriter
+
+log = logging.getLogger("scepsy.proxy.recorder")
+_row: Callable[[CallRecord], tuple[Any, ...]] = attrgetter(*COLUMN_NAMES)
+
+
+class Recorder:
+    def __init__(self, settings: StoreSettings, proxy_id: str) -> None:
+        self.settings = settings
+        self.proxy_id = proxy_id
+        self._buffer: list[tuple[Any, ...]] = []
+        self._writing = 0
+        self._wake = asyncio.Event()
+        self._writer: SegmentWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.written = 0
+        self.dropped = 0
+        self.segments = 0
+        self.write_errors = 0
+
+    @property
+    def depth(self) -> int:
+        """Records accepted and not yet on disk."""
+        return len(self._buffer) + self._writing
+
+    def submit(self, record: CallRecord) -> bool:
+        """Queue one record; False (and counted) when the queue is full."""
+        if len(self._buffer) + self._writing >= self.settings.queue_size:
+            self.dropped += 1
+            return False
+        self._buffer.append(_row(record))
+        if len(self._buffer) >= self.settings.segment_rows:
+            self._wake.set()
+        return True
+
+    async def start(self) -> None:
+        self._writer = await asyncio.to_thread(SegmentWriter, self.settings.path, self.proxy_id)
+        self._task = asyncio.create_task(self._run(), name="scepsy-recorder")
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.flush_interval_s)
+            self._wake.clear()
+            await self._flush()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        while self._buffer:
+            batch = self._buffer[: self.settings.segment_rows]
+            del self._buffer[: len(batch)]
+            self._writing = len(batch)
+            try:
+                assert self._writer is not None
+                await asyncio.to_thread(self._writer.write, batch)
+            except Exception:
+                # A failing store must never take the data plane down: count, log, go on.
+                self.write_errors += 1
+                self.dropped += len(batch)
+                log.exception(
+                    "could not write %d call records to %s", len(batch), self.settings.path
+                )
+            else:
+                self.written += len(batch)
+                self.segments += 1
+            finally:
+                self._writing = 0
+
+    async def close(self) -> None:
+        """Stop the background task after it has written everything still buffered.
+
+        The task is asked to stop rather than cancelled: a cancelled ``to_thread`` write would
+        go on in its thread while a second flush used the same DuckDB connection.
+        """
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

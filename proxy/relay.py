@@ -1,0 +1,220 @@
+"""Relaying one upstream exchange to the client: plain bodies and Server-Sent Event streams.
+
+Role: given an open upstream response, write it to the client and fill the call record's
+first-byte time, token usage, response size and mid-stream error. Knows the engines' wire
+shapes (engine-api.md), nothing about routing or identity.
+
+Invariants:
+- SSE events are forwarded as they arrive: every read from upstream is split into complete
+  events and those are written at once; only an incomplete tail waits for its next bytes;
+- the usage event the proxy asked for on the client's behalf (``strip_usage``) is read and
+  never forwarded; every other event is forwarded byte for byte;
+- usage found nowhere stays ``None`` (unknown), never zero;
+- an upstream stream cut mid-way ends the client's stream with an OpenAI-style error event, so
+  the client sees a failure rather than a silently short answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from shared.records import CallRecord, now_us
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_USAGE = b'"usage"'
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
+
+
+def _json_object_after(data: bytes, start: int) -> Any:
+    """Parse the JSON object that begins at the first ``{`` at or after ``start``."""
+    begin = data.find(b"{", start)
+    if begin < 0:
+        return None
+    depth = 0
+    in_str = False
+    i = begin
+    n = len(data)
+    while i < n:
+        c = data[i]
+        if in_str:
+            if c == 0x5C:  # backslash: skip the escaped byte
+                i += 1
+            elif c == 0x22:
+                in_str = False
+        elif c == 0x22:
+            in_str = True
+        elif c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                try:
+                    return orjson.loads(data[begin : i + 1])
+                except orjson.JSONDecodeError:
+                    return None
+        i += 1
+    return None
+
+
+def find_usage(data: bytes) -> dict[str, Any] | None:
+    """The last ``"usage": {...}`` object in a JSON body or event, without parsing the rest
+    (embedding responses are large; usage sits at their end)."""
+    at = data.rfind(_USAGE)
+    if at < 0:
+        return None
+    colon = data.find(b":", at + len(_USAGE))
+    if colon < 0 or data[colon + 1 : colon + 8].lstrip().startswith(b"null"):
+        return None
+    usage = _json_object_after(data, colon)
+    return usage if isinstance(usage, dict) else None
+
+
+def apply_usage(rec: CallRecord, usage: dict[str, Any]) -> None:
+    prompt = usage.get("prompt_tokens")
+    if prompt is None:
+        prompt = usage.get("total_tokens")  # rerank/score report only a total
+    if isinstance(prompt, int):
+        rec.prompt_tokens = prompt
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, int):
+        rec.completion_tokens = completion
+    elif isinstance(prompt, int):
+        rec.completion_tokens = 0
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
+
+
+def response_headers(upstream: aiohttp.ClientResponse, call_id: str) -> CIMultiDict[str]:
+    headers = CIMultiDict(
+        (k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
+    )
+    headers["X-Scepsy-Call-Id"] = call_id
+    return headers
+
+
+async def relay_body(upstream: aiohttp.ClientResponse, rec: CallRecord) -> web.Response:
+    """A whole (non-streamed) response: read, take usage, pass through unchanged."""
+    body = await upstream.read()
+    rec.t_first_byte = rec.t_first_byte or now_us()
+    rec.response_bytes = len(body)
+    if upstream.status < 300:
+        usage = find_usage(body)
+        if usage is not None:
+            apply_usage(rec, usage)
+    else:
+        rec.error = body[:500].decode("utf-8", errors="replace")
+    return web.Response(
+        status=upstream.status, body=body, headers=response_headers(upstream, rec.call_id)
+    )
+
+
+def _event_payload(event: bytes) -> bytes:
+    """The data of a one-line ``data: ...`` event (what engines send)."""
+    return event[5:].lstrip() if event.startswith(b"data:") else event
+
+
+async def relay_stream(
+    request: web.Request, upstream: aiohttp.ClientResponse, rec: CallRecord, strip_usage: bool
+) -> web.StreamResponse:
+    """Relay an SSE stream event by event; strip the usage event the client did not ask for."""
+    out = web.StreamResponse(
+        status=upstream.status, headers=response_headers(upstream, rec.call_id)
+    )
+    out.headers["Cache-Control"] = "no-cache"
+    await out.prepare(request)
+    pending = b""
+    try:
+        async for chunk in upstream.content.iter_any():
+            if rec.t_first_byte is None:
+                rec.t_first_byte = now_us()
+            data = pending + chunk if pending else chunk
+            last = 0
+            keep: list[bytes] = []
+            dropped = False
+            for m in _EVENT_END.finditer(data):
+                event = data[last : m.end()]
+                last = m.end()
+                if (_USAGE in event or event.startswith(b'data: {"error"')) and _inspect_event(
+                    event, rec, strip_usage
+                ):
+                    dropped = True
+                    continue
+                keep.append(event)
+            pending = data[last:]
+            if last == 0:
+                continue
+            payload = data[:last] if not dropped else b"".join(keep)
+            if payload:
+                rec.response_bytes += len(payload)
+                await out.write(payload)
+        if pending:
+            rec.response_bytes += len(pending)
+            await out.write(pending)
+    except (
+        aiohttp.ClientPayloadError,
+        aiohttp.ServerDisconnectedError,
+        aiohttp.ClientOSError,
+    ) as exc:
+        rec.error = f"upstream stream cut: {exc.__class__.__name__}: {exc}"
+        await out.write(
+            _error_event("The upstream engine ended the stream early.", "upstream_error")
+        )
+    except TimeoutError:
+        rec.error = "upstream stream timed out"
+        await out.write(_error_event("The upstream engine stopped sending.", "upstream_timeout"))
+    await out.write_eof()
+    return out
+
+
+def _is_dropped(event: bytes, strip_usage: bool) -> bool:
+    """The proxy-requested usage chunk: ``choices`` empty and ``usage`` set."""
+    if not strip_usage:
+        return False
+    try:
+        obj = orjson.loads(_event_payload(event))
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and not obj.get("choices") and bool(obj.get("usage"))
+
+
+def _inspect_event(event: bytes, rec: CallRecord, strip_usage: bool) -> bool:
+    """Take usage or an error from one event; True when the event is to be dropped."""
+    payload = _event_payload(event)
+    if payload.startswith(b'{"error"'):
+        obj = _json_object_after(payload, 0)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        message = err.get("message") if isinstance(err, dict) else err
+        rec.error = f"upstream error event: {message}"
+        return False
+    usage = find_usage(payload)
+    if usage is not None:
+        apply_usage(rec, usage)
+    return _is_dropped(event, strip_usage)
+
+
+def _error_event(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": code}}
+    return b"data: " + orjson.dumps(body) + b"\n\n"

@@ -1,0 +1,218 @@
+"""Replica choice: the live route table, load-aware and prefix-aware routing, ejection, draining.
+
+Role: owns every replica's state (in-flight calls, consecutive failures, ejected, draining) and
+answers "which replica serves this call". It does no I/O: the app's prober task calls
+:meth:`Router.due_probes` / :meth:`Router.probe_result`, the handler reports outcomes.
+
+Invariants:
+- a call is only ever sent to an *active* replica: listed in the current routes, not draining,
+  not ejected; ``pick`` raises :class:`~proxy.errors.NoReplica` when none is left;
+- ``acquire``/``release`` are paired (the handler does it in ``try/finally``), so ``in_flight``
+  is exact; a replica removed by a route update keeps serving its in-flight calls (draining)
+  and is forgotten when the last one ends;
+- a route update keeps the state of replicas present before and after it (same model and URL).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.errors import ModelNotFound, NoReplica
+from shared.settings import RoutingSettings, UpstreamSettings
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    model: str
+    url: str
+    api_key: str | None
+    in_flight: int = 0
+    failures: int = 0
+    ejected: bool = False
+    retry_at: float = 0.0  # monotonic time of the next /health probe while ejected
+    draining: bool = False
+    served: int = 0
+
+    @property
+    def active(self) -> bool:
+        return not (self.ejected or self.draining)
+
+    def describe(self) -> dict[str, Any]:
+        state = "draining" if self.draining else "ejected" if self.ejected else "active"
+        return {
+            "model": self.model,
+            "url": self.url,
+            "state": state,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "has_api_key": self.api_key is not None,
+        }
+
+
+class PrefixTable:
+    """LRU map from hashed prompt-prefix blocks to the replica URL that last served them.
+
+    A prompt is cut into blocks of ``block`` characters (up to ``limit``); block ``i``'s key
+    chains the hash of every block before it, so a key match means the whole prefix matched.
+    """
+
+    def __init__(self, block: int, limit: int, capacity: int) -> None:
+        self.block, self.limit, self.capacity = block, limit, capacity
+        self._map: OrderedDict[int, str] = OrderedDict()
+
+    def keys(self, text: str) -> list[int]:
+        text = text[: self.limit]
+        keys: list[int] = []
+        h = 0
+        for start in range(0, max(len(text), 1), self.block):
+            h = hash((h, text[start : start + self.block]))
+            keys.append(h)
+        return keys
+
+    def longest(self, keys: Sequence[int]) -> tuple[str | None, int]:
+        """(URL, number of matched blocks) of the longest remembered prefix."""
+        for i in range(len(keys) - 1, -1, -1):
+            url = self._map.get(keys[i])
+            if url is not None:
+                return url, i + 1
+        return None, 0
+
+    def remember(self, keys: Iterable[int], url: str) -> None:
+        for key in keys:
+            self._map[key] = url
+            self._map.move_to_end(key)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RoutingSettings,
+        upstreams: Iterable[UpstreamSettings],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        on_eject: Callable[[Replica], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._on_eject = on_eject
+        self._pools: dict[str, list[Replica]] = {}
+        self._draining: list[Replica] = []
+        self._prefixes: dict[str, PrefixTable] = {}
+        self.version = 0
+        self.replace(upstreams)
+
+    # --- route table -------------------------------------------------------------------
+    def models(self) -> list[str]:
+        return [m for m, pool in self._pools.items() if pool]
+
+    def knows(self, model: str) -> bool:
+        return bool(self._pools.get(model))
+
+    def replicas(self) -> list[Replica]:
+        return [r for pool in self._pools.values() for r in pool] + self._draining
+
+    def replace(self, upstreams: Iterable[UpstreamSettings]) -> list[Replica]:
+        """Install a new route table; return the replicas that now drain."""
+        old = {(r.model, r.url): r for pool in self._pools.values() for r in pool}
+        pools: dict[str, list[Replica]] = {}
+        for up in upstreams:
+            rep = old.pop((up.model, up.url), None)
+            if rep is None:
+                rep = Replica(up.model, up.url, up.api_key)
+            rep.api_key = up.api_key
+            pools.setdefault(up.model, []).append(rep)
+        removed = list(old.values())
+        for rep in removed:
+            rep.draining = True
+            if rep.in_flight:
+                self._draining.append(rep)
+        self._pools = pools
+        self._prefixes = {m: t for m, t in self._prefixes.items() if m in pools}
+        self.version += 1
+        return removed
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"version": self.version, "upstreams": [r.describe() for r in self.replicas()]}
+
+    # --- choosing ----------------------------------------------------------------------
+    def pick(
+        self, model: str, prompt: str | None = None, exclude: Sequence[Replica] = ()
+    ) -> Replica:
+        pool = self._pools.get(model)
+        if not pool:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        live = [r for r in pool if r.active and r not in exclude]
+        if not live:
+            raise NoReplica(f"No replica of `{model}` is available right now; try again shortly.")
+        if self.settings.policy == "prefix_affinity" and prompt and len(pool) > 1:
+            table = self._table(model)
+            keys = table.keys(prompt)
+            chosen = self._pick_affine(table, keys, live)
+            table.remember(keys, chosen.url)
+            return chosen
+        if len(live) == 1:
+            return live[0]
+        a, b = self._rng.sample(live, 2)
+        return a if a.in_flight <= b.in_flight else b
+
+    def _table(self, model: str) -> PrefixTable:
+        table = self._prefixes.get(model)
+        if table is None:
+            s = self.settings
+            table = PrefixTable(s.prefix_block_chars, s.max_prefix_chars, s.affinity_entries)
+            self._prefixes[model] = table
+        return table
+
+    def _pick_affine(self, table: PrefixTable, keys: list[int], live: list[Replica]) -> Replica:
+        least = min(live, key=lambda r: (r.in_flight, self._rng.random()))
+        url, matched = table.longest(keys)
+        if url is None or matched / len(keys) < self.settings.affinity_min_match:
+            return least
+        preferred = next((r for r in live if r.url == url), None)
+        if (
+            preferred is None
+            or preferred.in_flight > least.in_flight + self.settings.affinity_slack
+        ):
+            return least
+        return preferred
+
+    # --- outcomes ----------------------------------------------------------------------
+    def acquire(self, rep: Replica) -> None:
+        rep.in_flight += 1
+        rep.served += 1
+
+    def release(self, rep: Replica) -> None:
+        rep.in_flight -= 1
+        if rep.draining and rep.in_flight == 0 and rep in self._draining:
+            self._draining.remove(rep)
+
+    def succeeded(self, rep: Replica) -> None:
+        rep.failures = 0
+
+    def failed(self, rep: Replica) -> None:
+        """A connection-level failure; eject after ``eject_after_failures`` in a row."""
+        rep.failures += 1
+        if not rep.ejected and rep.failures >= self.settings.eject_after_failures:
+            rep.ejected = True
+            rep.retry_at = self._clock() + self.settings.eject_seconds
+            if self._on_eject is not None:
+                self._on_eject(rep)
+
+    def due_probes(self) -> list[Replica]:
+        now = self._clock()
+        return [r for pool in self._pools.values() for r in pool if r.ejected and r.retry_at <= now]
+
+    def probe_result(self, rep: Replica, healthy: bool) -> None:
+        if healthy:
+            rep.ejected, rep.failures = False, 0
+        else:
+            rep.retry_at = self._clock() + self.settings.probe_interval_s
