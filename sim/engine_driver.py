@@ -1,0 +1,209 @@
+"""The emulator's real-time driver: runs the clock-free EngineCore on the wall clock.
+
+Role: one asyncio task per emulated engine repeatedly asks the core for a step, sleeps the
+step's modelled duration divided by the speed-up, then hands each request its progress (first
+token, tokens emitted, finished) through the queue its HTTP handler listens on.
+
+Invariants:
+- the model's clock is the wall clock times ``speedup``; step k of a busy period ends at
+  ``anchor + sum(durations[:k+1]) / speedup`` (sleeps are scheduled against that target, so
+  timer overshoot in one step is recovered in the next instead of accumulating);
+- when the driver falls more than ``max_catch_up_s`` behind (Python work per step exceeding the
+  step's wall budget), it re-anchors instead of bursting, and that lost time shows up in
+  ``lag_ratio``: wall time spent per busy step over the wall time the model asked for, minus 1,
+  exponentially averaged over the last ~``lag_window_s`` seconds of busy time;
+- a request's updates arrive in order and end with exactly one ``finished`` update, unless it
+  is aborted first (then nothing more arrives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sim.engine import EngineCore, EngineRequest, StepOutcome
+
+
+class Update(NamedTuple):
+    """Progress of one choice, as of the end of one engine step."""
+
+    choice: int  # the request's index within its HTTP call (choice, input or pair)
+    emitted: int  # tokens emitted so far (cumulative, never above the planned count)
+    first: bool  # prefill finished in this step (first token or pooled result ready)
+    finished: bool
+
+
+@dataclass
+class Ticket:
+    """The driver's record of one engine request; times are wall-clock seconds."""
+
+    rid: str
+    index: int
+    output_tokens: int
+    sink: asyncio.Queue[Update]
+    arrival: float
+    first_at: float | None = None
+    finished_at: float | None = None
+    emitted: int = 0
+    prompt_tokens: int = 0
+    request: EngineRequest | None = None
+    on_cached: Callable[[int], None] | None = None  # told the prompt tokens found in cache
+
+
+@dataclass
+class _LagMeter:
+    """Exponentially weighted wall-versus-intended busy time (see module invariants)."""
+
+    window_s: float
+    wall: float = 0.0
+    intended: float = 0.0
+    wall_total: float = 0.0
+    intended_total: float = 0.0
+
+    def add(self, wall: float, intended: float) -> None:
+        keep = math.exp(-wall / self.window_s)
+        self.wall = self.wall * keep + wall
+        self.intended = self.intended * keep + intended
+        self.wall_total += wall
+        self.intended_total += intended
+
+    @property
+    def ratio(self) -> float:
+        return self.wall / self.intended - 1.0 if self.intended > 0 else 0.0
+
+
+@dataclass
+class EngineDriver:
+    """Paces an EngineCore in real time (``speedup`` model seconds per wall second)."""
+
+    core: EngineCore
+    speedup: float = 1.0
+    max_catch_up_s: float = 0.05
+    lag_window_s: float = 10.0
+    on_finished: Callable[[Ticket], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    tickets: dict[str, Ticket] = field(default_factory=dict)
+    steps_total: int = 0
+    preemptions_total: int = 0
+    model_busy_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.speedup > 0:
+            raise ValueError(f"speedup must be positive, got {self.speedup}")
+        self._wake = asyncio.Event()
+        self._lag = _LagMeter(self.lag_window_s)
+        self._t0 = self.clock()
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        output_tokens: int,
+        sink: asyncio.Queue[Update],
+        index: int = 0,
+    ) -> Ticket:
+        now = self.clock()
+        req = EngineRequest(rid, prompt, output_tokens, arrival=self.model_now())
+        ticket = Ticket(rid, index, output_tokens, sink, now, prompt_tokens=len(prompt),
+                        request=req)
+        self.tickets[rid] = ticket
+        self.core.submit(req)
+        self._wake.set()
+        return ticket
+
+    def abort(self, rid: str) -> None:
+        if self.tickets.pop(rid, None) is not None:
+            self.core.abort(rid)
+
+    # -- clocks --------------------------------------------------------------------------
+    def model_now(self) -> float:
+        """Model seconds since the driver started (wall time x speed-up)."""
+        return (self.clock() - self._t0) * self.speedup
+
+    def model_seconds(self, wall_s: float) -> float:
+        return wall_s * self.speedup
+
+    @property
+    def lag_ratio(self) -> float:
+        return self._lag.ratio
+
+    @property
+    def busy_wall_s(self) -> float:
+        return self._lag.wall_total
+
+    # -- the loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Step the core forever; cancel the task to stop."""
+        while True:
+            if not self.core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._busy_period()
+
+    async def _busy_period(self) -> None:
+        target = prev_end = self.clock()
+        while self.core.has_work():
+            outcome = self.core.step()
+            if outcome.duration <= 0 and not (outcome.emitted or outcome.finished):
+                await asyncio.sleep(0.001)  # nothing schedulable yet: do not spin
+                continue
+            self.steps_total += 1
+            self.model_busy_s += outcome.duration
+            intended = outcome.duration / self.speedup
+            target += intended
+            delay = target - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                if -delay > self.max_catch_up_s:
+                    target = self.clock()  # too far behind: give the time up, counted as lag
+                await asyncio.sleep(0)  # let handlers run even when behind
+            end = self.clock()
+            self._lag.add(end - prev_end, intended)
+            prev_end = end
+            self._deliver(outcome, end)
+
+    def _cached_tokens(self, ticket: Ticket) -> int:
+        """Prompt tokens the core found in its prefix cache for this request, if it still
+        knows (a request that finished within its admission step is forgotten: 0)."""
+        recorded = getattr(ticket.request, "cached_tokens", None)
+        if isinstance(recorded, int):
+            return recorded
+        return int(self.core.cached_tokens(ticket.rid))
+
+    def _deliver(self, outcome: StepOutcome, now: float) -> None:
+        self.preemptions_total += len(outcome.preempted)
+        first = set(outcome.first_token)
+        finished = set(outcome.finished)
+        touched: dict[str, None] = dict.fromkeys(outcome.first_token)
+        for rid, count in outcome.emitted:
+            ticket = self.tickets.get(rid)
+            if ticket is not None:
+                ticket.emitted = min(ticket.output_tokens, ticket.emitted + count)
+                touched[rid] = None
+        touched.update(dict.fromkeys(outcome.finished))
+        for rid in touched:
+            ticket = self.tickets.get(rid)
+            if ticket is None:
+                continue
+            done = rid in finished
+            # A token or a completion implies the prefill is over, whatever the core listed.
+            is_first = ticket.first_at is None and (rid in first or ticket.emitted > 0 or done)
+            if is_first:
+                ticket.first_at = now
+                if ticket.on_cached is not None:
+                    ticket.on_cached(self._cached_tokens(ticket))
+            if done:
+                ticket.emitted = ticket.output_tokens
+                ticket.finished_at = now
+                del self.tickets[rid]
+            ticket.sink.put_nowait(Update(ticket.index, ticket.emitted, is_first, done))
+            if done and self.on_finished is not None:
+                self.on_finished(ticket)
+
