@@ -1,0 +1,385 @@
+"""The engine core: a clock-free continuous-batching scheduler shared by emulator and simulator.
+
+Role: hold requests, decide what one engine step computes (vLLM V1 style: running requests
+first, then waiting ones, within a token budget, chunked prefill allowed), keep the KV-cache
+block budget, preempt by recompute when blocks run out, and reuse prompt blocks through a
+hashed prefix cache. ``step`` returns the step's modelled duration (from ``sim.perf``); the
+driver owns the clock.
+
+Invariants:
+- blocks held by requests + free blocks + cached unreferenced blocks == ``num_blocks``;
+- a prompt block is cached under a hash chained over every token id up to its end, so a hit
+  means the whole prefix matches; only full prompt blocks are cached;
+- cached blocks with no reference sit in an LRU; they are evicted (oldest first, a request's
+  tail blocks before its head) only when a fresh block is needed;
+- every submitted request eventually finishes (or is aborted) provided it fits in the cache
+  alone: ``submit`` refuses one that cannot;
+- a request whose prompt is entirely cached still recomputes its last block (as vLLM does,
+  the last token must run through the model to produce logits).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from sim.perf import PerfModel
+
+__all__ = [
+    "EngineCore",
+    "EngineRequest",
+    "HashedPrompt",
+    "StepOutcome",
+    "chain_block_hashes",
+]
+
+
+@runtime_checkable
+class HashedPrompt(Protocol):
+    """A prompt that knows its chained block hashes (the simulator's compact prompts)."""
+
+    def block_hashes(self, block_size: int) -> Sequence[int]: ...
+
+
+def chain_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the full blocks of ``tokens``, each chained over the previous block's hash."""
+    out: list[int] = []
+    prev = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        prev = hash((prev, tuple(tokens[start:start + block_size])))
+        out.append(prev)
+    return out
+
+
+@dataclass
+class EngineRequest:
+    rid: str
+    prompt: Sequence[int]  # token ids (drivers derive them from text; shared prefixes share ids)
+    output_tokens: int  # tokens this request will emit; 0 = prefill only (embed/rerank/score)
+    arrival: float = 0.0  # driver's clock, for metrics only
+
+
+@dataclass
+class StepOutcome:
+    duration: float  # seconds this step takes on the modelled GPU
+    first_token: list[str] = field(default_factory=list)  # prefill completed (result ready)
+    emitted: list[tuple[str, int]] = field(default_factory=list)  # (rid, tokens this step)
+    finished: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # for the rids in first_token: prompt tokens found in the prefix cache (usage's
+    # prompt_tokens_details.cached_tokens)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class _Seq:
+    """A request's scheduling state. ``computed``: tokens whose KV is in the cache."""
+
+    __slots__ = (
+        "_hashes",
+        "cached_tokens",
+        "computed",
+        "generated",
+        "held",
+        "matched",
+        "private",
+        "prompt_len",
+        "registered",
+        "req",
+    )
+
+    def __init__(self, req: EngineRequest) -> None:
+        self.req = req
+        self.prompt_len = len(req.prompt)
+        self.generated = 0
+        self.computed = 0
+        self.held: list[int] = []  # hashes of cached blocks this request references, in order
+        self.private = 0  # blocks held outside the prefix cache
+        self.registered = 0  # prompt blocks already offered to the cache
+        self.matched = False  # prefix lookup done since (re)admission
+        self.cached_tokens = 0  # prefix-cache hit at the last admission
+        self._hashes: Sequence[int] | None = None
+
+    def hashes(self, block_size: int) -> Sequence[int]:
+        if self._hashes is None:
+            prompt = self.req.prompt
+            if isinstance(prompt, HashedPrompt):
+                self._hashes = prompt.block_hashes(block_size)
+            else:
+                self._hashes = chain_block_hashes(prompt, block_size)
+        return self._hashes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.held) + self.private
+
+
+class _BlockPool:
+    """Counts free blocks and keeps the hash -> reference-count table with its LRU."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free = num_blocks  # blocks holding nothing reusable
+        self.refs: dict[int, int] = {}  # cached block hash -> references
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
+
+    def available(self) -> int:
+        return self.free + len(self.lru)
+
+    def take(self, n: int) -> None:
+        """Claim ``n`` fresh blocks, evicting least recently used cached blocks if needed."""
+        from_free = min(n, self.free)
+        self.free -= from_free
+        for _ in range(n - from_free):
+            victim, _ = self.lru.popitem(last=False)
+            del self.refs[victim]
+
+    def ref(self, h: int) -> None:
+        count = self.refs[h]
+        if count == 0:
+            del self.lru[h]
+        self.refs[h] = count + 1
+
+    def unref(self, h: int) -> None:
+        count = self.refs[h] - 1
+        self.refs[h] = count
+        if count == 0:
+            self.lru[h] = None
+
+    def register(self, h: int) -> bool:
+        """Turn one private block into a cached one under ``h``; False if ``h`` is taken."""
+        if h in self.refs:
+            return False
+        self.refs[h] = 1
+        return True
+
+
+class EngineCore:
+    """Continuous batching over a modelled GPU. Not thread-safe: one driver owns it."""
+
+    def __init__(self, perf: PerfModel, *, max_num_batched_tokens: int = 8192,
+                 max_num_seqs: int = 256, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be >= 1")
+        num_blocks = perf.kv_capacity_tokens() // block_size
+        if num_blocks < 1:
+            raise ValueError(f"{perf.model.name} does not fit on {perf.tp} x {perf.gpu.name} "
+                             f"at share {perf.share}: no memory left for the KV cache")
+        self.perf = perf
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = _BlockPool(num_blocks)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._seqs: dict[str, _Seq] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+
+    # --- counters ------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks held by requests (cached unreferenced blocks count as free)."""
+        return 1.0 - self._pool.available() / self._pool.num_blocks
+
+    def cached_tokens(self, rid: str) -> int:
+        """Prompt tokens a live request found in the prefix cache at its last admission."""
+        seq = self._seqs.get(rid)
+        return seq.cached_tokens if seq is not None else 0
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, req: EngineRequest) -> None:
+        """Queue ``req``; ValueError if its id is live, or it could never fit."""
+        if req.rid in self._seqs:
+            raise ValueError(f"request id {req.rid!r} is already in the engine")
+        if req.output_tokens < 0 or len(req.prompt) == 0:
+            raise ValueError("a request needs at least one prompt token and output_tokens >= 0")
+        total = len(req.prompt) + req.output_tokens
+        if total > self.perf.model.max_context:
+            raise ValueError(f"{total} tokens exceed the context of {self.perf.model.name} "
+                             f"({self.perf.model.max_context})")
+        if -(-total // self.block_size) > self._pool.num_blocks:
+            raise ValueError(f"{total} tokens exceed the KV cache "
+                             f"({self._pool.num_blocks * self.block_size} tokens)")
+        seq = _Seq(req)
+        self._seqs[req.rid] = seq
+        self._waiting.append(seq)
+
+    def abort(self, rid: str) -> None:
+        """Drop a request wherever it is; unknown ids are ignored (it may have finished)."""
+        seq = self._seqs.pop(rid, None)
+        if seq is None:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    # --- blocks --------------------------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _release(self, seq: _Seq) -> None:
+        pool = self._pool
+        for h in reversed(seq.held):  # tail blocks enter the LRU first, so go first
+            pool.unref(h)
+        pool.free += seq.private
+        seq.held = []
+        seq.private = 0
+        seq.computed = 0
+        seq.registered = 0
+        seq.matched = False
+
+    def _preempt(self, seq: _Seq, out: StepOutcome) -> None:
+        self._release(seq)
+        self._waiting.appendleft(seq)
+        self.preemptions_total += 1
+        out.preempted.append(seq.req.rid)
+
+    def _match_prefix(self, seq: _Seq) -> tuple[int, int]:
+        """Prompt blocks found cached, and how many of them sit unreferenced in the LRU."""
+        if not self.enable_prefix_caching:
+            return 0, 0
+        refs = self._pool.refs
+        hits = in_lru = 0
+        for h in seq.hashes(self.block_size):
+            count = refs.get(h)
+            if count is None:
+                break
+            hits += 1
+            in_lru += count == 0
+        limit = (seq.prompt_len + seq.generated - 1) // self.block_size
+        if hits > limit:  # the last token must be computed to produce logits
+            for h in seq.hashes(self.block_size)[limit:hits]:
+                in_lru -= refs[h] == 0
+            hits = limit
+        return hits, in_lru
+
+    def _register(self, seq: _Seq) -> None:
+        full = min(seq.computed, seq.prompt_len) // self.block_size
+        if full <= seq.registered:
+            return
+        hashes = seq.hashes(self.block_size)
+        pool = self._pool
+        for j in range(seq.registered, full):
+            if pool.register(hashes[j]):
+                seq.private -= 1
+                seq.held.append(hashes[j])
+        seq.registered = full
+
+    # --- scheduling ----------------------------------------------------------------------
+    def _schedule(self, out: StepOutcome) -> list[tuple[_Seq, int]]:
+        budget = self.max_num_batched_tokens
+        pool = self._pool
+        scheduled: list[tuple[_Seq, int]] = []
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.prompt_len + seq.generated - seq.computed, budget)
+            need = self._blocks_for(seq.computed + n) - seq.num_blocks
+            while need > pool.available() and running[-1] is not seq:
+                self._preempt(running.pop(), out)
+            if need > pool.available():  # seq is the lowest priority: it yields itself
+                running.pop()
+                self._preempt(seq, out)
+                break
+            if need > 0:
+                pool.take(need)
+                seq.private += need
+            scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return scheduled  # no admissions in a step that had to preempt
+        waiting = self._waiting
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
+            hits, in_lru = (0, 0) if seq.matched else self._match_prefix(seq)
+            computed = seq.computed if seq.matched else hits * self.block_size
+            n = min(seq.prompt_len + seq.generated - computed, budget)
+            held = seq.num_blocks if seq.matched else hits
+            need = self._blocks_for(computed + n) - held
+            if need + in_lru > pool.available():
+                break
+            waiting.popleft()
+            if not seq.matched:
+                seq.matched = True
+                hashes = seq.hashes(self.block_size)
+                for h in hashes[:hits]:
+                    pool.ref(h)
+                seq.held = list(hashes[:hits])
+                seq.registered = hits
+                seq.computed = computed
+                seq.cached_tokens = computed
+                self.prefix_cache_queries += seq.prompt_len
+                self.prefix_cache_hits += computed
+            pool.take(need)
+            seq.private += need
+            running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def step(self) -> StepOutcome:
+        """Schedule and account one engine step; the driver advances its clock by
+        ``duration`` (simulator) or sleeps it (emulator)."""
+        out = StepOutcome(0.0)
+        scheduled = self._schedule(out)
+        if not scheduled:
+            return out
+        prefill = decode = context = 0
+        for seq, n in scheduled:
+            if n == 1 and seq.generated > 0 and seq.computed == seq.prompt_len + seq.generated - 1:
+                decode += 1
+                context += seq.computed
+            else:
+                prefill += n
+        out.duration = self.perf.step_time(prefill, decode, context)
+        finished = False
+        for seq, n in scheduled:
+            seq.computed += n
+            if self.enable_prefix_caching and seq.registered * self.block_size < seq.prompt_len:
+                self._register(seq)
+            if seq.computed < seq.prompt_len + seq.generated:
+                continue  # a prefill chunk: no token sampled yet
+            rid = seq.req.rid
+            if seq.generated == 0:
+                out.first_token.append(rid)
+                out.cached_tokens[rid] = seq.cached_tokens
+                self.prompt_tokens_total += seq.prompt_len
+            if seq.generated < seq.req.output_tokens:
+                seq.generated += 1
+                self.generation_tokens_total += 1
+                out.emitted.append((rid, 1))
+            if seq.generated >= seq.req.output_tokens:
+                out.finished.append(rid)
+                self._release(seq)
+                del self._seqs[rid]
+                seq.computed = -1  # marks it for removal from the running list
+                finished = True
+        if finished:
+            self._running = [s for s in self._running if s.computed >= 0]
+        return out
