@@ -1,0 +1,94 @@
+"""Replica choice: power of two choices, prefix affinity with load fallback, ejection."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.errors import ModelNotFound, NoReplica
+from proxy.router import Router
+from shared.settings import RoutingSettings, UpstreamSettings
+
+
+def _router(n: int = 3, clock: list[float] | None = None, **kw: object) -> Router:
+    ups = [UpstreamSettings(model="m", url=f"http://r{i}") for i in range(n)]
+    t = clock if clock is not None else [0.0]
+    return Router(RoutingSettings(**kw), ups, clock=lambda: t[0], rng=random.Random(1))  # type: ignore[arg-type]
+
+
+def test_least_outstanding_avoids_the_busy_replica() -> None:
+    r = _router(2)
+    busy = r.pick("m")
+    for _ in range(5):
+        r.acquire(busy)
+    assert all(r.pick("m") is not busy for _ in range(50))
+
+
+def test_p2c_spreads_load() -> None:
+    r = _router(4)
+    for _ in range(400):
+        r.acquire(r.pick("m"))
+    loads = sorted(rep.in_flight for rep in r.replicas())
+    assert loads[-1] - loads[0] <= 2
+
+
+def test_prefix_affinity_follows_the_prefix_and_falls_back_when_busy() -> None:
+    r = _router(4, policy="prefix_affinity", prefix_block_chars=16, affinity_slack=2)
+    system = "You are a careful math solver. " * 4
+    beam = system + "Problem 17: integrate x^2 from 0 to 1. Step 1: the antiderivative is"
+    home = r.pick("m", beam)
+    r.acquire(home)
+    # A longer prompt sharing that prefix (the next beam step) goes to the same replica...
+    for i in range(2):
+        nxt = r.pick("m", beam + f" x^3/3, branch {i}")
+        assert nxt is home
+        r.acquire(nxt)
+    # ...until it is busier than the least-loaded one by more than the slack.
+    assert r.pick("m", beam + " x^3/3, branch 9") is not home
+    # A new problem shares only the system prompt: too short a match, goes to the least loaded.
+    other = r.pick("m", system + "Problem 99: what is 2+2? Step 1: add")
+    assert other.in_flight == 0
+
+
+def test_ejection_and_probe_return() -> None:
+    clock = [0.0]
+    r = _router(2, clock, eject_after_failures=2, eject_seconds=5.0, probe_interval_s=1.0)
+    bad = r.replicas()[0]
+    r.failed(bad)
+    assert bad.active
+    r.failed(bad)
+    assert bad.ejected and not bad.active
+    assert all(r.pick("m") is not bad for _ in range(20))
+    assert r.due_probes() == []
+    clock[0] = 5.0
+    assert r.due_probes() == [bad]
+    r.probe_result(bad, healthy=False)
+    assert r.due_probes() == []
+    clock[0] = 6.0
+    r.probe_result(bad, healthy=True)
+    assert bad.active and bad.failures == 0
+
+
+def test_no_replica_and_unknown_model() -> None:
+    r = _router(1, eject_after_failures=1)
+    with pytest.raises(ModelNotFound):
+        r.pick("other")
+    r.failed(r.replicas()[0])
+    with pytest.raises(NoReplica):
+        r.pick("m")
+
+
+def test_replace_keeps_state_and_drains_removed() -> None:
+    r = _router(2)
+    a, b = r.replicas()
+    r.acquire(a)
+    r.acquire(b)
+    removed = r.replace(
+        [UpstreamSettings(model="m", url=b.url), UpstreamSettings(model="m", url="http://new")]
+    )
+    assert removed == [a] and a.draining
+    assert b in r.replicas() and b.in_flight == 1
+    assert all(r.pick("m") is not a for _ in range(20))
+    r.release(a)
+    assert a not in r.replicas()
