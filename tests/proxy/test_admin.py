@@ -64,7 +64,7 @@ async def test_swap_replicas_under_load_drops_nothing(
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
         first = [asyncio.create_task(one()) for _ in range(20)]
-        while len(old.calls) < 20:  # wait until all 20 are streaming from `old`
+        while len(old.calls) < 20:  # noqa: ASYNC110 -- wait until all 20 stream from `old`
             await asyncio.sleep(0.005)
         status, body = await _routes(p.url, "PUT", {"upstreams": [{"model": "m", "url": new.url}]})
         assert status == 200
