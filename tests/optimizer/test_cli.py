@@ -1,0 +1,67 @@
+"""The ``scepsy`` dispatcher and ``scepsy stats`` output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+
+from optimizer.cli import UsageError, main, parse_duration_s
+from tests.optimizer.conftest import Row, call
+
+
+def _rows() -> list[Row]:
+    return [
+        call("rag", "r1", "embed", 0, 1), call("rag", "r1", "gen", 1, 3),
+        call("rag", "r2", "embed", 10, 11), call("rag", "r2", "gen", 11, 15),
+        call("rag", None, "gen", 12, 13),
+    ]
+
+
+def test_stats_json_shape(
+    write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = write_store(_rows())
+    assert main(["stats", "--store", str(store), "--window", "all", "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    rag = doc["workflows"]["rag"]
+    assert rag["requests"] == 2
+    assert rag["unidentified_calls"] == 1
+    assert rag["arrival_rate"] == pytest.approx(0.1)
+    gen = rag["models"]["gen"]
+    assert {"n", "p", "latency_mean", "share_mean", "share_cv"} <= set(gen)
+    assert gen["latency_mean"] == pytest.approx(3.0)
+    assert gen["share_mean"] == pytest.approx((2 / 3 + 4 / 5) / 2)
+
+
+def test_stats_window_is_anchored_at_the_last_call(
+    write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = write_store(_rows())
+    assert main(["stats", "--store", str(store), "--window", "8s", "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["workflows"]["rag"]["requests"] == 1  # r1 started 15 s before the last call
+
+
+def test_stats_table(
+    write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = write_store(_rows())
+    assert main(["stats", "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "rag" in out and "embed" in out and "without request id" in out
+
+
+def test_bad_window_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--store", str(tmp_path), "--window", "soon"]) == 2
+    assert "not a duration" in capsys.readouterr().err
+
+
+def test_parse_duration() -> None:
+    assert parse_duration_s("15m") == 900.0
+    assert parse_duration_s("2h") == 7200.0
+    assert parse_duration_s("1.5") == 1.5
+    with pytest.raises(UsageError):
+        parse_duration_s("-3s")

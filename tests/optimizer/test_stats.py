@@ -1,0 +1,140 @@
+"""optimizer.stats against hand-computed values on small crafted traces."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from optimizer.stats import Window, summarise_store
+from tests.optimizer.conftest import Row, S, call
+
+Write = Callable[[list[Row]], Path]
+
+
+def _two_requests() -> list[Row]:
+    return [
+        # request A: gen nested [0,4] ⊃ [1,3], overlapping [2,6]; ver [6,8] after it.
+        call("w", "A", "gen", 0, 0.5, call_id="a1", attempt=0, prompt=1000),  # superseded
+        call("w", "A", "gen", 0, 4, call_id="a1", attempt=1, prompt=10),
+        call("w", "A", "gen", 1, 3, prompt=20),
+        call("w", "A", "gen", 2, 6, prompt=30),
+        call("w", "A", "ver", 6, 8),
+        # request B: gen [10,12]; ver [12,13] and [12,14] overlapping.
+        call("w", "B", "gen", 10, 12, prompt=40),
+        call("w", "B", "ver", 12, 13),
+        call("w", "B", "ver", 12, 14),
+        # a call with no request id: counted, excluded.
+        call("w", None, "gen", 3, 9, prompt=50),
+    ]
+
+
+def test_hand_computed_values(write_store: Write) -> None:
+    stats = summarise_store(write_store(_two_requests()))
+    wf = stats["w"]
+    assert wf.requests == 2
+    assert wf.unidentified_calls == 1
+    assert wf.arrival_rate == pytest.approx(1 / 10)  # (2 - 1) arrivals over 10 s
+    gen, ver = wf.models["gen"], wf.models["ver"]
+    assert gen.calls == 4 and ver.calls == 3  # the retried call counts once
+    assert gen.n == pytest.approx(2.0) and ver.n == pytest.approx(1.5)
+    # p per request: A gen 10/6, B gen 1 ; A ver 1, B ver 3/2
+    assert gen.p == pytest.approx((10 / 6 + 1) / 2)
+    assert ver.p == pytest.approx((1 + 1.5) / 2)
+    assert gen.p_agg == pytest.approx(12 / 8)
+    assert gen.latency_mean == pytest.approx(12 / 4)
+    assert ver.latency_mean == pytest.approx(5 / 3)
+    assert gen.busy_mean == pytest.approx((6 + 2) / 2)
+    # shares of summed LLM time: A gen 10/12, B gen 2/5
+    shares = [10 / 12, 2 / 5]
+    mean = sum(shares) / 2
+    std = math.sqrt(sum((x - mean) ** 2 for x in shares) / 2)
+    assert gen.share_mean == pytest.approx(mean)
+    assert gen.share_cv == pytest.approx(std / mean)
+    assert ver.share_mean == pytest.approx(1 - mean)
+    # spans 8 and 4
+    assert wf.latency_mean == pytest.approx(6.0)
+    assert wf.latency_cv == pytest.approx(2 / 6)
+    assert wf.tool_time_mean == pytest.approx(0.0)
+    assert wf.overlap_factor == pytest.approx(1.0)
+    # tokens over the window's calls (the unidentified one included, the superseded one not)
+    assert gen.prompt_tokens.mean == pytest.approx(30.0)
+    assert gen.prompt_tokens.p50 == pytest.approx(30.0)
+    assert gen.prompt_tokens.p90 == pytest.approx(46.0)
+
+
+def test_cross_model_overlap_is_measured(write_store: Write) -> None:
+    # gen and ver fan out at once: the critical path is 4 s, not 4 + 4.
+    rows = [call("f", "R", "gen", 0, 4), call("f", "R", "ver", 0, 4), call("f", "R", "ver", 1, 3)]
+    wf = summarise_store(write_store(rows))["f"]
+    assert wf.critical_path_mean == pytest.approx(4.0)
+    assert wf.stage_sum_mean == pytest.approx(8.0)
+    assert wf.overlap_factor == pytest.approx(0.5)
+    assert wf.latency_mean == pytest.approx(4.0)
+
+
+def test_tool_time_is_the_uncovered_gap(write_store: Write) -> None:
+    rows = [
+        call("t", "R", "gen", 0, 1), call("t", "R", "gen", 0.5, 1.5),  # covered [0, 1.5]
+        call("t", "R", "ver", 3.5, 4),  # a 2 s tool call between them
+    ]
+    wf = summarise_store(write_store(rows))["t"]
+    assert wf.latency_mean == pytest.approx(4.0)
+    assert wf.critical_path_mean == pytest.approx(2.0)
+    assert wf.tool_time_mean == pytest.approx(2.0)
+
+
+def test_window_bounds_arrivals_and_completion(write_store: Write) -> None:
+    rows = [
+        call("w", "early", "gen", 5, 12),  # arrived before the window: excluded
+        call("w", "early", "gen", 12, 13),
+        call("w", "in1", "gen", 10, 11),
+        call("w", "in2", "gen", 20, 22),
+        call("w", "late", "gen", 25, 29),  # arrived in the window, still running at its end
+        call("w", None, "gen", 11, 12),
+        call("w", None, "gen", 31, 32),  # outside the window: not counted
+    ]
+    window = Window(t_from_us=10 * S, t_to_us=30 * S, settle_us=2 * S)
+    wf = summarise_store(write_store(rows), window)["w"]
+    assert wf.arrivals == 3
+    assert wf.requests == 2
+    assert wf.arrival_rate == pytest.approx(3 / 18)
+    assert wf.unidentified_calls == 1
+    assert wf.models["gen"].n == pytest.approx(1.0)
+
+
+def test_calls_without_end_are_ignored(write_store: Write) -> None:
+    rows = [call("w", "R", "gen", 0, 1), call("w", "R", "gen", 0.5, None)]
+    wf = summarise_store(write_store(rows))["w"]
+    assert wf.models["gen"].calls == 1
+
+
+def _share_trace(shares: list[float]) -> list[Row]:
+    rows = []
+    for i, share in enumerate(shares):
+        t0 = i * 100.0
+        rows.append(call("b", f"r{i}", "gen", t0, t0 + 10 * share))
+        rows.append(call("b", f"r{i}", "ver", t0 + 10 * share, t0 + 10))
+    return rows
+
+
+def test_bimodal_workflow_is_flagged(write_store: Write) -> None:
+    rng = random.Random(7)
+    shares = [rng.gauss(0.85, 0.03) for _ in range(30)] + [rng.gauss(0.25, 0.03) for _ in range(20)]
+    wf = summarise_store(write_store(_share_trace(shares)))["b"]
+    assert wf.bimodal is not None
+    split = wf.bimodal.split
+    assert 0.3 < split.threshold < 0.8
+    # gen's share is low in 20 of 50 requests; ver's (its complement) in the other 30
+    expected = 20 / 50 if wf.bimodal.model == "gen" else 30 / 50
+    assert split.low_fraction == pytest.approx(expected)
+
+
+def test_unimodal_workflow_is_not_flagged(write_store: Write) -> None:
+    rng = random.Random(7)
+    shares = [min(max(rng.gauss(0.5, 0.12), 0.05), 0.95) for _ in range(60)]
+    wf = summarise_store(write_store(_share_trace(shares)))["b"]
+    assert wf.bimodal is None
