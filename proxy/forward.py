@@ -76,6 +76,7 @@ _DROP_UPSTREAM = frozenset(
 # Connection failures that prove the engine never started on the call: safe to retry.
 _CONNECT_ERRORS = (
     aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
 )

@@ -139,12 +139,26 @@ def _event_payload(event: bytes) -> bytes:
 async def relay_stream(
     request: web.Request, upstream: aiohttp.ClientResponse, rec: CallRecord, strip_usage: bool
 ) -> web.StreamResponse:
-    """Relay an SSE stream event by event; strip the usage event the client did not ask for."""
+    """Relay an SSE stream event by event; strip the usage event the client did not ask for.
+
+    A client that hangs up ends the relay quietly: leaving this function closes the upstream
+    response, which makes the engine abort the request.
+    """
     out = web.StreamResponse(
         status=upstream.status, headers=response_headers(upstream, rec.call_id)
     )
     out.headers["Cache-Control"] = "no-cache"
-    await out.prepare(request)
+    try:
+        await out.prepare(request)
+        return await _relay_events(out, upstream, rec, strip_usage)
+    except ConnectionResetError:
+        rec.error = "client disconnected"
+        return out
+
+
+async def _relay_events(
+    out: web.StreamResponse, upstream: aiohttp.ClientResponse, rec: CallRecord, strip_usage: bool
+) -> web.StreamResponse:
     pending = b""
     try:
         async for chunk in upstream.content.iter_any():
