@@ -1,0 +1,124 @@
+"""optimizer.profiles: storage, JSON, the curve (saturation, interpolation, scaling)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optimizer.profiles import (
+    Profile,
+    ProfileBook,
+    ProfileError,
+    ProfilePoint,
+    export_json,
+    import_json,
+    load_points,
+    load_points_async,
+    save_points,
+    save_points_async,
+)
+
+MU = 10.0  # an M/M/1 server: latency 1 / (mu - lambda), throughput min(lambda, mu)
+
+
+def mm1(model: str = "gen", tp: int = 1, share: float = 1.0, mu: float = MU,
+        rates: tuple[float, ...] = (1, 3, 5, 7, 8, 9, 12, 15)) -> list[ProfilePoint]:
+    out = []
+    for lam in rates:
+        lat = 1.0 / (mu - lam) if lam < mu else 50.0
+        out.append(ProfilePoint(model, "emulator", "H100", tp, share, lam, min(lam, mu),
+                                lat, lat * 0.7, lat * 2.3, lat * 4.6, 0.01, 1000))
+    return out
+
+
+def test_save_replaces_only_the_measured_keys(tmp_path: Path) -> None:
+    save_points(tmp_path, mm1("gen") + mm1("ver") + mm1("gen", tp=2))
+    assert len(load_points(tmp_path)) == 24
+    fresh = mm1("gen", rates=(2, 4))
+    save_points(tmp_path, fresh)
+    gen1 = [p for p in load_points(tmp_path, "gen") if p.tp == 1]
+    assert [p.offered_rate for p in gen1] == [2, 4]
+    assert len(load_points(tmp_path, "ver")) == 8
+    assert len([p for p in load_points(tmp_path, "gen") if p.tp == 2]) == 8
+
+
+def test_load_from_empty_store(tmp_path: Path) -> None:
+    assert load_points(tmp_path) == []
+
+
+async def test_async_wrappers(tmp_path: Path) -> None:
+    await save_points_async(tmp_path, mm1())
+    got = await load_points_async(tmp_path, "gen")
+    assert got == sorted(mm1(), key=lambda p: p.offered_rate)
+    await asyncio.sleep(0)
+
+
+def test_json_round_trip() -> None:
+    points = mm1() + mm1("ver", share=0.5)
+    assert import_json(export_json(points)) == points
+
+
+def test_json_errors_name_the_entry() -> None:
+    doc = export_json(mm1()).replace(b'"tp": 1', b'"tp": "one"', 1)
+    with pytest.raises(ProfileError, match=r"points\[0\]\.tp"):
+        import_json(doc)
+    with pytest.raises(ProfileError, match="not JSON"):
+        import_json(b"{")
+    bad = export_json([replace(mm1()[0], share=1.5)])
+    with pytest.raises(ProfileError, match="share"):
+        import_json(bad)
+
+
+def test_saturation_is_where_throughput_stops_following() -> None:
+    prof = Profile.from_points(mm1())
+    assert prof.saturation == pytest.approx(MU)
+    assert prof.saturated
+    unsat = Profile.from_points(mm1(rates=(1, 3, 5)))
+    assert not unsat.saturated
+    assert unsat.saturation == pytest.approx(5.0, rel=1e-5)
+
+
+def test_latency_interpolates_and_diverges() -> None:
+    prof = Profile.from_points(mm1())
+    lam = np.array([0.5, 1.0, 2.0, 6.0, 8.5, 9.5, 9.99, 10.0, 20.0])
+    got = prof.latency(lam)
+    assert got[0] == pytest.approx(1 / 9)  # flat below the lightest point
+    assert got[1] == pytest.approx(1 / 9)
+    assert got[2] == pytest.approx((1 / 9 + 1 / 7) / 2)  # linear between points
+    assert got[3] == pytest.approx((1 / 5 + 1 / 3) / 2)
+    assert got[5] == pytest.approx(1 / (MU - 9.5))  # the tail hyperbola is exact for M/M/1
+    assert got[6] == pytest.approx(1 / (MU - 9.99))
+    assert np.isinf(got[7]) and np.isinf(got[8])
+    finite = got[np.isfinite(got)]
+    assert np.all(np.diff(finite) >= 0)
+    assert prof.latency(5.0, "p90") == pytest.approx(2.3 / 5)
+
+
+def test_latency_is_monotone_even_when_points_are_not() -> None:
+    pts = mm1(rates=(1, 3, 5))
+    pts[1] = replace(pts[1], lat_mean=0.01)  # a noisy dip
+    prof = Profile.from_points(pts)
+    assert np.all(np.diff(prof.latency(np.linspace(0, 4.9, 50))) >= 0)
+
+
+def test_scaled_share() -> None:
+    full = Profile.from_points(mm1())
+    half = full.scaled(0.5)
+    assert half.saturation == pytest.approx(MU / 2)
+    assert half.scaled_from == 1.0
+    assert half.latency(2.5) == pytest.approx(full.latency(5.0) / 0.5)
+
+
+def test_book_prefers_measured_then_scales() -> None:
+    book = ProfileBook(mm1() + mm1(share=0.5, mu=6.0))
+    measured = book.lookup("gen", 1, 0.5)
+    assert measured.scaled_from is None and measured.saturation == pytest.approx(6.0)
+    scaled = book.lookup("gen", 1, 0.25)
+    assert scaled.scaled_from == 0.5 and scaled.saturation == pytest.approx(3.0)
+    assert book.lookup("gen", 1, 0.75).scaled_from == 1.0
+    with pytest.raises(ProfileError):
+        book.lookup("gen", 4, 1.0)
