@@ -75,7 +75,7 @@ def _prompts(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> lis
         ):
             raise ApiError("messages must be a non-empty list of objects", param="messages")
         cont = bool(body.get("continue_final_message", False))
-        add = bool(body.get("add_generation_prompt", not cont))
+        add = bool(body.get("add_generation_prompt", True))  # vLLM's default
         if cont and add:
             raise ApiError("Cannot set both `continue_final_message` and "
                            "`add_generation_prompt` to True.", param="continue_final_message")

@@ -184,7 +184,7 @@ def plan_generation(
         ending = None if eos else req.stop[0]
     body = _words(rng, max(0, length - 1) if ending is not None else length)
     tokens = [*body, ending] if ending is not None else body
-    finish, stop_reason = "stop", None
+    finish, stop_reason = ("length" if req.ignore_eos else "stop"), None
     if len(tokens) > req.max_tokens:
         tokens, finish = tokens[: req.max_tokens], "length"
     # Stop strings cut the text at their first occurrence, whichever token completes them.
