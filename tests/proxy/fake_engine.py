@@ -3,8 +3,15 @@
 Behaviour is chosen per call by the ``X-Fake-Mode`` header (which the proxy forwards like any
 other non-Scepsy header): ``cut`` ends a stream mid-way by dropping the connection,
 ``error_event`` sends a mid-stream error event, ``status500`` answers 500 with an error body,
-``hang`` never answers (to test cancellation), ``slow`` paces stream events.
-Every call the fake saw is kept in ``FakeEngine.calls`` (path, headers, body) for assertions.
+``hang`` never answers (to test cancellation), ``slow`` paces stream events, ``hold`` sends
+the first token (streams) or nothing (plain calls) and then waits for ``FakeEngine.release``.
+Two optional headers shape any call: ``X-Fake-Tokens`` (tokens generated, default
+``FakeEngine.tokens``) and ``X-Fake-Delay-S`` (seconds to wait before answering).
+Every call the fake saw is kept in ``FakeEngine.calls`` (path, headers, body) for assertions;
+``in_flight``/``peak_in_flight`` count calls being answered, ``cancelled`` the calls whose
+client (the proxy) hung up while the fake waited, ``probes`` the ``/health`` requests.
+``kill()`` dies like a killed process: the port stops listening and every open connection is
+dropped at once; ``start(port)`` brings a replica back on the same port.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ class FakeEngine:
     healthy: bool = True
     calls: list[SeenCall] = field(default_factory=list)
     cancelled: int = 0
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    probes: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -58,7 +69,33 @@ class FakeEngine:
             await self.runner.cleanup()
             self.runner = None
 
+    async def kill(self) -> None:
+        """Stop listening and drop every open connection without a goodbye, as the kernel does
+        for a process killed mid-call; in-flight handlers are cancelled."""
+        if self.runner is None:
+            return
+        for site in list(self.runner.sites):
+            await site.stop()
+        server = self.runner.server
+        for handler in server.connections if server is not None else []:
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.runner.cleanup()
+        self.runner = None
+
+    async def _wait(self, until: asyncio.Event | float) -> None:
+        """Wait for ``until`` (an event, or seconds), counting a hang-up by the caller."""
+        try:
+            if isinstance(until, asyncio.Event):
+                await until.wait()
+            else:
+                await asyncio.sleep(until)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
     async def _health(self, request: web.Request) -> web.Response:
+        self.probes += 1
         return web.Response(status=200 if self.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -69,9 +106,21 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": data})
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         self.calls.append(SeenCall(request.path, dict(request.headers), body))
         mode = request.headers.get("X-Fake-Mode", "")
+        tokens = int(request.headers.get("X-Fake-Tokens", self.tokens))
+        delay = float(request.headers.get("X-Fake-Delay-S", 0))
+        if delay > 0:
+            await self._wait(delay)
         if mode == "status500":
             return web.json_response(
                 {
@@ -84,11 +133,7 @@ class FakeEngine:
                 status=500,
             )
         if mode == "hang":
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
+            await self._wait(3600)
         path = request.path
         if path.endswith("/embeddings"):
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
@@ -124,10 +169,12 @@ class FakeEngine:
             10 * len(body.get("messages", [])) if chat else len(str(body.get("prompt", "")).split())
         )
         if body.get("stream"):
-            return await self._stream(request, body, chat, prompt_tokens, mode)
+            return await self._stream(request, body, chat, prompt_tokens, mode, tokens)
+        if mode == "hold":
+            await self._wait(self.release)
         kind = "chat.completion" if chat else "text_completion"
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-        text = " ".join(f"tok{i}" for i in range(self.tokens))
+        text = " ".join(f"tok{i}" for i in range(tokens))
         if chat:
             choice["message"] = {"role": "assistant", "content": f"{self.name}: {text}"}
         else:
@@ -141,15 +188,21 @@ class FakeEngine:
                 "choices": [choice],
                 "usage": {
                     "prompt_tokens": prompt_tokens,
-                    "completion_tokens": self.tokens,
-                    "total_tokens": prompt_tokens + self.tokens,
+                    "completion_tokens": tokens,
+                    "total_tokens": prompt_tokens + tokens,
                     "prompt_tokens_details": {"cached_tokens": 2},
                 },
             }
         )
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], chat: bool, prompt_tokens: int, mode: str
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        prompt_tokens: int,
+        mode: str,
+        tokens: int,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -189,7 +242,9 @@ class FakeEngine:
                     ]
                 )
             )
-        for i in range(self.tokens):
+        for i in range(tokens):
+            if mode == "hold" and i == 1:
+                await self._wait(self.release)
             if mode == "cut" and i == 2:
                 assert request.transport is not None
                 request.transport.close()
@@ -208,8 +263,8 @@ class FakeEngine:
         if isinstance(options, dict) and options.get("include_usage"):
             usage = {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": self.tokens,
-                "total_tokens": prompt_tokens + self.tokens,
+                "completion_tokens": tokens,
+                "total_tokens": prompt_tokens + tokens,
             }
             await resp.write(event([], usage))
         await resp.write(b"data: [DONE]\n\n")
