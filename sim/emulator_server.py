@@ -12,7 +12,7 @@ driver task); ``base_url`` ends in ``/v1`` as OpenAI clients expect.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -41,10 +41,20 @@ class RunningEmulator:
         return self.app[ENGINE]
 
 
+Observer = Callable[[web.Request], None]
+
+
 @contextlib.asynccontextmanager
-async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1",
-                  port: int = 0) -> AsyncIterator[RunningEmulator]:
+async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1", port: int = 0,
+                  observe: Observer | None = None) -> AsyncIterator[RunningEmulator]:
+    """Serve one emulator; ``observe`` sees every request as its response starts."""
     app = make_app(config)
+    if observe is not None:
+        hook = observe
+
+        async def seen(request: web.Request, response: web.StreamResponse) -> None:
+            hook(request)
+        app.on_response_prepare.append(seen)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
@@ -57,11 +67,13 @@ async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1",
 
 
 @contextlib.asynccontextmanager
-async def serving_many(configs: Sequence[EmulatorConfig], *,
-                       host: str = "127.0.0.1") -> AsyncIterator[dict[str, RunningEmulator]]:
+async def serving_many(configs: Sequence[EmulatorConfig], *, host: str = "127.0.0.1",
+                       observe: Observer | None = None,
+                       ) -> AsyncIterator[dict[str, RunningEmulator]]:
     """One emulator per config, keyed by served model name."""
     async with contextlib.AsyncExitStack() as stack:
         out = {}
         for config in configs:
-            out[config.name] = await stack.enter_async_context(serving(config, host=host))
+            out[config.name] = await stack.enter_async_context(
+                serving(config, host=host, observe=observe))
         yield out
