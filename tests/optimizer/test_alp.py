@@ -1,0 +1,119 @@
+"""optimizer.alp: eqs. 1-2 on M/M/1 profiles, overlap and tool stages, the vectorised batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optimizer.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
+from optimizer.profiles import ProfileBook, ProfilePoint
+from optimizer.stats import summarise_store
+from tests.optimizer.conftest import Row, call
+from tests.optimizer.test_profiles import mm1
+
+
+def _book() -> ProfileBook:
+    return ProfileBook(mm1("gen", mu=10.0) + mm1("gen", tp=2, mu=18.0, rates=(2, 6, 10, 14, 16, 17, 20))
+                       + mm1("ver", mu=10.0))
+
+
+PIPE = Pipeline("beam", (Stage("gen", n=4.0, p=2.0), Stage("ver", n=2.0, p=1.0)))
+
+
+def test_eqs_1_and_2() -> None:
+    alloc = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
+    pred = predict(PIPE, _book(), alloc, rate=1.5)
+    # gen: 1.5 * 4 / 2 = 3 calls/s per replica -> 1/(10-3); ver: 1.5 * 2 / 1 = 3 -> 1/7
+    assert pred.stages[0].call_rate == pytest.approx(3.0)
+    assert pred.stages[0].contribution == pytest.approx((1 / 7) * 4 / 2)
+    assert pred.stages[1].contribution == pytest.approx((1 / 7) * 2 / 1)
+    assert pred.latency == pytest.approx(2 / 7 + 2 / 7)
+    # capacities: gen 2 * 10 / 4 = 5, ver 1 * 10 / 2 = 5 -> tie, both 5
+    assert pred.throughput == pytest.approx(5.0)
+    assert pred.feasible
+
+
+def test_bottleneck_and_overload() -> None:
+    alloc = {"gen": ModelAlloc(replicas=1), "ver": ModelAlloc(replicas=2)}
+    pred = predict(PIPE, _book(), alloc, rate=3.0)
+    assert pred.bottleneck == "gen"
+    assert pred.throughput == pytest.approx(2.5)
+    assert not pred.feasible and pred.latency == float("inf")
+
+
+def test_percentile_uses_the_profile_percentile() -> None:
+    alloc = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
+    mean = predict(PIPE, _book(), alloc, rate=1.5)
+    p90 = predict(PIPE, _book(), alloc, rate=1.5, stat="p90")
+    assert p90.latency == pytest.approx(2.3 * mean.latency)
+
+
+def test_unprofiled_share_is_scaled_and_flagged() -> None:
+    alloc = {"gen": ModelAlloc(replicas=2, share=0.5), "ver": ModelAlloc(replicas=1)}
+    pred = predict(PIPE, _book(), alloc, rate=1.0)
+    gen = pred.stages[0]
+    assert gen.scaled_from == 1.0
+    assert gen.capacity == pytest.approx(2 * 5.0 / 4)
+    # 2 calls/s on half a GPU = 4 calls/s on a whole one, stretched x2
+    assert gen.call_latency == pytest.approx(2 * (1 / 7 + 1 / 5) / 2)  # 4 lies between 3 and 5
+    assert pred.stages[1].scaled_from is None
+
+
+def test_batch_agrees_with_single() -> None:
+    rng = np.random.default_rng(3)
+    c = 200
+    replicas = rng.integers(1, 5, size=(c, 2))
+    tp = np.stack([rng.choice([1, 2], size=c), np.ones(c, dtype=int)], axis=1)
+    share = rng.choice([0.25, 0.5, 1.0], size=(c, 2))
+    book = _book()
+    batch = predict_many(PIPE, book, 2.0, replicas, tp, share)
+    for i in range(0, c, 7):
+        alloc = {st.model: ModelAlloc(int(replicas[i, j]), int(tp[i, j]), float(share[i, j]))
+                 for j, st in enumerate(PIPE.stages)}
+        one = predict(PIPE, book, alloc, 2.0)
+        assert batch.throughput[i] == pytest.approx(one.throughput)
+        assert PIPE.stages[int(batch.bottleneck[i])].model == one.bottleneck or (
+            batch.throughput[i] == pytest.approx(one.throughput))
+        if np.isinf(one.latency):
+            assert np.isinf(batch.latency[i])
+        else:
+            assert batch.latency[i] == pytest.approx(one.latency)
+        assert bool(batch.scaled[i, 0]) == (one.stages[0].scaled_from is not None)
+
+
+def test_batch_shape_is_checked() -> None:
+    with pytest.raises(ValueError):
+        predict_many(PIPE, _book(), 1.0, np.ones((3, 3)), np.ones((3, 3)), np.ones((3, 3)))
+
+
+def _flat(model: str, latency: float) -> list[ProfilePoint]:
+    """A model whose calls take ``latency`` at light load (M/M/1 with mu = 100 / latency)."""
+    return [ProfilePoint(model, "emulator", "H100", 1, 1.0, r, r, latency, latency, latency,
+                         latency, 0.0, 100) for r in (0.01, 0.02)] + [
+        ProfilePoint(model, "emulator", "H100", 1, 1.0, 1000.0, 50.0, 9.0, 9.0, 9.0, 9.0, 0.0,
+                     100)]
+
+
+def test_stats_overlap_and_tool_time_reach_the_prediction(
+    write_store: Callable[[list[Row]], Path]
+) -> None:
+    # Each request fans out to gen and ver at once (1 s each), then waits 2 s on a tool, then
+    # calls gen again (1 s): the span is 4 s, not 1 + 1 + 1 (serial) and not without the tool.
+    rows = []
+    for i in range(5):
+        t = i * 100.0
+        rows += [call("f", f"r{i}", "gen", t, t + 1), call("f", f"r{i}", "ver", t, t + 1),
+                 call("f", f"r{i}", "gen", t + 3, t + 4)]
+    stats = summarise_store(write_store(rows))["f"]
+    assert stats.latency_mean == pytest.approx(4.0)
+    book = ProfileBook(_flat("gen", 1.0) + _flat("ver", 1.0))
+    alloc = {"gen": ModelAlloc(1), "ver": ModelAlloc(1)}
+    full = predict(Pipeline.from_stats(stats), book, alloc, rate=0.01)
+    assert full.latency == pytest.approx(4.0, rel=1e-3)
+    no_overlap = predict(Pipeline.from_stats(stats, cross_model_overlap=False), book, alloc, 0.01)
+    assert no_overlap.latency == pytest.approx(5.0, rel=1e-3)
+    no_tool = predict(Pipeline.from_stats(stats, tool_stage=False), book, alloc, 0.01)
+    assert no_tool.latency == pytest.approx(2.0, rel=1e-3)
