@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from sim.emulator_server import RunningEmulator, serving
 from sim.serving import EmulatorConfig
 
 FAST = 1000.0  # model seconds per wall second: tests stay fast, pacing still runs
-QUESTION = [{"role": "user", "content": "What is 2 + 2? Think step by step."}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is 2 + 2? Think step by step."}]
 
 
 @pytest.fixture
@@ -41,7 +44,7 @@ def client(server: RunningEmulator) -> openai.AsyncOpenAI:
 
 async def test_chat_non_streaming_n_and_stop(gen: RunningEmulator) -> None:
     resp = await client(gen).chat.completions.create(
-        model="llama-3.2-1b", messages=QUESTION, n=3, stop=["\n\n"], max_tokens=2048, seed=1)  # type: ignore[arg-type]
+        model="llama-3.2-1b", messages=QUESTION, n=3, stop=["\n\n"], max_tokens=2048, seed=1)
     assert resp.system_fingerprint == "scepsy-emulated"
     assert [c.index for c in resp.choices] == [0, 1, 2]
     texts = [c.message.content or "" for c in resp.choices]
@@ -56,8 +59,8 @@ async def test_chat_non_streaming_n_and_stop(gen: RunningEmulator) -> None:
 
 async def test_same_request_and_seed_give_same_text(gen: RunningEmulator) -> None:
     c = client(gen)
-    args = {"model": "llama-3.2-1b", "messages": QUESTION, "max_tokens": 200, "seed": 42}
-    a, b = [await c.chat.completions.create(**args) for _ in range(2)]  # type: ignore[call-overload]
+    args: Any = {"model": "llama-3.2-1b", "messages": QUESTION, "max_tokens": 200, "seed": 42}
+    a, b = [await c.chat.completions.create(**args) for _ in range(2)]
     other = await c.chat.completions.create(**{**args, "seed": 43})
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.choices[0].message.content != other.choices[0].message.content
@@ -65,7 +68,7 @@ async def test_same_request_and_seed_give_same_text(gen: RunningEmulator) -> Non
 
 async def test_max_tokens_cuts_with_length(gen: RunningEmulator) -> None:
     resp = await client(gen).chat.completions.create(
-        model="llama-3.2-1b", messages=QUESTION, max_tokens=5, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+        model="llama-3.2-1b", messages=QUESTION, max_tokens=5, extra_body={"ignore_eos": True})
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage is not None and resp.usage.completion_tokens == 5
 
@@ -84,9 +87,9 @@ async def test_user_stop_string_ends_generation(gen: RunningEmulator) -> None:
 
 async def test_streaming_matches_non_streaming_and_reports_usage(gen: RunningEmulator) -> None:
     c = client(gen)
-    args = {"model": "llama-3.2-1b", "messages": QUESTION, "max_tokens": 300, "seed": 9,
+    args: Any = {"model": "llama-3.2-1b", "messages": QUESTION, "max_tokens": 300, "seed": 9,
             "stop": ["\n\n"], "n": 2}
-    whole = await c.chat.completions.create(**args)  # type: ignore[call-overload]
+    whole = await c.chat.completions.create(**args)
     stream = await c.chat.completions.create(**args, stream=True,
                                              stream_options={"include_usage": True})
     texts, finishes, usage, events = ["", ""], [None, None], None, 0
@@ -134,10 +137,11 @@ async def test_completions_streaming(gen: RunningEmulator) -> None:
 
 async def test_prm_style_scoring_returns_plus_and_minus(gen: RunningEmulator) -> None:
     c = client(gen)
-    msgs = [{"role": "user", "content": "Problem.\n\nStep one: add the numbers."}]
+    msgs: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Problem.\n\nStep one: add the numbers."}]
     probs = []
     for _ in range(2):
-        resp = await c.chat.completions.create(model="llama-3.2-1b", messages=msgs,  # type: ignore[arg-type]
+        resp = await c.chat.completions.create(model="llama-3.2-1b", messages=msgs,
                                                max_tokens=1, logprobs=True, top_logprobs=5)
         lp = resp.choices[0].logprobs
         assert lp is not None and lp.content is not None and len(lp.content) == 1
@@ -150,9 +154,10 @@ async def test_prm_style_scoring_returns_plus_and_minus(gen: RunningEmulator) ->
 
 async def test_logprobs_on_longer_generation(gen: RunningEmulator) -> None:
     resp = await client(gen).chat.completions.create(
-        model="llama-3.2-1b", messages=QUESTION, max_tokens=8, logprobs=True, top_logprobs=3,  # type: ignore[arg-type]
+        model="llama-3.2-1b", messages=QUESTION, max_tokens=8, logprobs=True, top_logprobs=3,
         seed=2, extra_body={"ignore_eos": True})
-    content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert resp.choices[0].logprobs is not None
+    content = resp.choices[0].logprobs.content
     assert content is not None and len(content) == 8
     assert "".join(t.token for t in content) == resp.choices[0].message.content
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
@@ -160,26 +165,28 @@ async def test_logprobs_on_longer_generation(gen: RunningEmulator) -> None:
 
 async def test_continue_final_message_continues_the_assistant(gen: RunningEmulator) -> None:
     c = client(gen)
-    msgs = [*QUESTION, {"role": "assistant", "content": "## Step 1: add"}]
+    msgs: list[ChatCompletionMessageParam] = [
+        *QUESTION, {"role": "assistant", "content": "## Step 1: add"}]
     resp = await c.chat.completions.create(
-        model="llama-3.2-1b", messages=msgs, max_tokens=10, seed=1,  # type: ignore[arg-type]
+        model="llama-3.2-1b", messages=msgs, max_tokens=10, seed=1,
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert resp.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as err:  # vLLM refuses both at once
-        await c.chat.completions.create(model="llama-3.2-1b", messages=msgs,  # type: ignore[arg-type]
+        await c.chat.completions.create(model="llama-3.2-1b", messages=msgs,
                                         extra_body={"continue_final_message": True})
-    assert err.value.body["param"] == "continue_final_message"  # type: ignore[index]
+    err_body: Any = err.value.body
+    assert err_body["param"] == "continue_final_message"
 
 
 
 async def test_sync_client_in_a_thread(gen: RunningEmulator) -> None:
     def call() -> tuple[str, list[str]]:
         sync = openai.OpenAI(base_url=gen.base_url, api_key="x", max_retries=0)
-        whole = sync.chat.completions.create(model="llama-3.2-1b", messages=QUESTION,  # type: ignore[arg-type]
+        whole = sync.chat.completions.create(model="llama-3.2-1b", messages=QUESTION,
                                              max_tokens=12, seed=4)
-        parts = [ch.choices[0].delta.content or "" for ch in sync.chat.completions.create(
-            model="llama-3.2-1b", messages=QUESTION, max_tokens=12, seed=4, stream=True)  # type: ignore[arg-type]
-            if ch.choices]
+        stream: Any = sync.chat.completions.create(
+            model="llama-3.2-1b", messages=QUESTION, max_tokens=12, seed=4, stream=True)
+        parts = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
         return whole.choices[0].message.content or "", parts
     text, parts = await asyncio.to_thread(call)
     assert "".join(parts) == text and len(parts) >= 12
@@ -188,11 +195,13 @@ async def test_sync_client_in_a_thread(gen: RunningEmulator) -> None:
 async def test_errors_are_openai_shaped(gen: RunningEmulator) -> None:
     c = client(gen)
     with pytest.raises(openai.NotFoundError) as nf:
-        await c.chat.completions.create(model="gpt-nope", messages=QUESTION)  # type: ignore[arg-type]
-    assert nf.value.body["param"] == "model"  # type: ignore[index]
+        await c.chat.completions.create(model="gpt-nope", messages=QUESTION)
+    nf_body: Any = nf.value.body
+    assert nf_body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as bad:
-        await c.chat.completions.create(model="llama-3.2-1b", messages=QUESTION, n=0)  # type: ignore[arg-type]
-    assert set(bad.value.body) >= {"message", "type", "param", "code"}  # type: ignore[arg-type]
+        await c.chat.completions.create(model="llama-3.2-1b", messages=QUESTION, n=0)
+    body: Any = bad.value.body
+    assert set(body) >= {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         await c.embeddings.create(model="llama-3.2-1b", input="a generate model cannot embed")
     async with aiohttp.ClientSession() as s, s.post(f"{gen.base_url}/chat/completions",
@@ -204,7 +213,7 @@ async def test_models_health_and_metrics(gen: RunningEmulator) -> None:
     c = client(gen)
     models = await c.models.list()
     assert [m.id for m in models.data] == ["llama-3.2-1b"]
-    await c.chat.completions.create(model="llama-3.2-1b", messages=QUESTION, max_tokens=3)  # type: ignore[arg-type]
+    await c.chat.completions.create(model="llama-3.2-1b", messages=QUESTION, max_tokens=3)
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{gen.url}/health") as r:
             assert r.status == 200
@@ -243,13 +252,13 @@ async def test_rerank_via_client_post_sorted_and_cut(reranker: RunningEmulator) 
             "France has Paris as its capital city.", "Submarines use sonar."]
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # base_url ends in /v1
         url = path if path == "/rerank" else f"{reranker.url}{path}"
-        out = await c.post(url, cast_to=object, body={
+        out: Any = await c.post(url, cast_to=object, body={
             "model": "bge-reranker-base", "query": "What is the capital of France?",
             "documents": docs, "top_n": 2})
-        scores = [r["relevance_score"] for r in out["results"]]  # type: ignore[index]
+        scores = [r["relevance_score"] for r in out["results"]]
         assert scores == sorted(scores, reverse=True) and len(scores) == 2
-        assert {r["index"] for r in out["results"]} == {0, 2}  # type: ignore[index]
-        assert out["results"][0]["document"]["text"] in docs  # type: ignore[index]
+        assert {r["index"] for r in out["results"]} == {0, 2}
+        assert out["results"][0]["document"]["text"] in docs
 
 
 async def test_score_and_pooling(reranker: RunningEmulator, gen: RunningEmulator) -> None:
