@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import socket
+import warnings
 from typing import Any
 
 import yaml
@@ -47,7 +48,11 @@ def _text(value: Any) -> str:
 
 def _nvml_module() -> Any:
     try:
-        return importlib.import_module("pynvml")
+        with warnings.catch_warnings():
+            # The "pynvml" distribution warns that it is deprecated in favour of nvidia-ml-py,
+            # which provides the same module; the warning is not the user's business here.
+            warnings.simplefilter("ignore", FutureWarning)
+            return importlib.import_module("pynvml")
     except ImportError as exc:
         raise InventoryError(
             "the pynvml package is not installed, so NVIDIA GPUs cannot be inventoried"
