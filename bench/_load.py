@@ -74,6 +74,23 @@ class StreamResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Job:
+    """One load run: POST ``body`` to ``url`` from ``concurrency`` connections, warm up, then
+    measure for ``duration_s``. ``headers`` are extra request headers."""
+
+    url: str
+    body: str
+    concurrency: int
+    duration_s: float
+    warmup_s: float
+    stream: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def wrk_path() -> str | None:
     return shutil.which("wrk")
 
@@ -81,6 +98,7 @@ def wrk_path() -> str | None:
 _WRK_LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+%s
 wrk.body = [==[%s]==]
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -108,42 +126,27 @@ def _run_child(cmd: list[str], pin: Cpus, timeout_s: float) -> str:
     return str(out)
 
 
-def run_wrk(
-    url: str,
-    body: bytes,
-    concurrency: int,
-    duration_s: float,
-    warmup_s: float,
-    threads: int,
-    pin: Cpus = None,
-) -> LoadResult:
-    """``wrk -c concurrency`` POSTing ``body`` to ``url``; a warm-up run first when asked."""
+def run_wrk(job: Job, threads: int, pin: Cpus = None) -> LoadResult:
+    """``wrk`` for one non-streaming job; its warm-up is a separate ``wrk`` run first.
+    ``wrk`` takes whole seconds: durations are rounded (at least 1 s)."""
     exe = wrk_path()
     if exe is None:
         raise RuntimeError("wrk is not on PATH")
-    threads = max(1, min(threads, concurrency))
+    threads = max(1, min(threads, job.concurrency))
+    headers = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in job.headers)
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(_WRK_LUA % body.decode())
+        f.write(_WRK_LUA % (headers, job.body))
         script = f.name
     try:
 
         def once(seconds: float) -> str:
-            # wrk takes whole seconds only.
-            cmd = [
-                exe,
-                "-t",
-                str(threads),
-                "-c",
-                str(concurrency),
-                "-d",
-                f"{max(1, round(seconds))}s",
-            ]
-            cmd += ["--timeout", "10s", "-s", script, url]
+            cmd = [exe, "-t", str(threads), "-c", str(job.concurrency)]
+            cmd += ["-d", f"{max(1, round(seconds))}s", "--timeout", "10s", "-s", script, job.url]
             return _run_child(cmd, pin, seconds + 30)
 
-        if warmup_s > 0:
-            once(warmup_s)
-        out = once(duration_s)
+        if job.warmup_s > 0:
+            once(job.warmup_s)
+        out = once(job.duration_s)
     finally:
         os.unlink(script)
     line = next((ln for ln in out.splitlines() if ln.startswith("WRK_JSON ")), None)
@@ -151,13 +154,12 @@ def run_wrk(
         raise RuntimeError(f"wrk printed no summary: {out[-2000:]}")
     s = orjson.loads(line[len("WRK_JSON ") :])
     seconds = s["duration_us"] / 1e6
-    errors = int(s["connect"] + s["read"] + s["write"] + s["status"] + s["timeout"])
     return LoadResult(
         client="wrk",
-        concurrency=concurrency,
+        concurrency=job.concurrency,
         duration_s=round(seconds, 3),
         requests=int(s["requests"]),
-        errors=errors,
+        errors=int(s["connect"] + s["read"] + s["write"] + s["status"] + s["timeout"]),
         rps=round(s["requests"] / seconds, 1),
         p50_ms=s["p50"] / 1000,
         p90_ms=s["p90"] / 1000,
@@ -167,50 +169,22 @@ def run_wrk(
     )
 
 
-def run_client(
-    url: str,
-    body: bytes,
-    concurrency: int,
-    duration_s: float,
-    warmup_s: float,
-    stream: bool = False,
-    pin: Cpus = None,
-) -> dict[str, Any]:
-    """This module as a child process (the asyncio client); returns its JSON summary."""
+def run_client(jobs: list[Job], pin: Cpus = None) -> list[LoadResult | StreamResult]:
+    """The asyncio client: one child process (``python -m bench._load``) runs ``jobs`` one
+    after the other, so its start-up is paid once."""
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
-        f.write(body)
-        body_file = f.name
-    cmd = [sys.executable, "-m", "bench._load", "--url", url, "--body-file", body_file]
-    cmd += ["--concurrency", str(concurrency), "--duration", str(duration_s)]
-    cmd += ["--warmup", str(warmup_s)] + (["--stream"] if stream else [])
+        f.write(orjson.dumps([j.as_dict() for j in jobs]))
+        jobs_file = f.name
+    budget = sum(j.duration_s + j.warmup_s for j in jobs) + 60
     try:
-        out = _run_child(cmd, pin, duration_s + warmup_s + 60)
+        out = _run_child([sys.executable, "-m", "bench._load", jobs_file], pin, budget)
     finally:
-        os.unlink(body_file)
-    result: dict[str, Any] = orjson.loads(out.strip().splitlines()[-1])
-    return result
-
-
-def run_aiohttp(
-    url: str,
-    body: bytes,
-    concurrency: int,
-    duration_s: float,
-    warmup_s: float,
-    pin: Cpus = None,
-) -> LoadResult:
-    return LoadResult(**run_client(url, body, concurrency, duration_s, warmup_s, False, pin))
-
-
-def run_streams(
-    url: str,
-    body: bytes,
-    concurrency: int,
-    duration_s: float,
-    warmup_s: float,
-    pin: Cpus = None,
-) -> StreamResult:
-    return StreamResult(**run_client(url, body, concurrency, duration_s, warmup_s, True, pin))
+        os.unlink(jobs_file)
+    results = orjson.loads(out.strip().splitlines()[-1])
+    return [
+        StreamResult(**r) if j.stream else LoadResult(**r)
+        for j, r in zip(jobs, results, strict=True)
+    ]
 
 
 # --- the asyncio client (runs in the child process) -----------------------------------------
@@ -306,45 +280,38 @@ async def _streams(
                 errors += 1
 
 
-async def _client(args: argparse.Namespace, body: bytes) -> dict[str, Any]:
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    headers = {"Content-Type": "application/json"}
-    async with aiohttp.ClientSession(
-        connector=conn, headers=headers, auto_decompress=False, skip_auto_headers=("User-Agent",)
-    ) as session:
-        win = _Window(args.warmup, args.duration)
-        if args.stream:
-            parts = await asyncio.gather(
-                *(_streams(session, args.url, body, win) for _ in range(args.concurrency))
-            )
-            total = sum(p[0] for p in parts)
-            events = [e for p in parts for e in p[1]]
-            times = [t for p in parts for t in p[2]]
-            p50, _, p99, _, _ = _percentiles(times)
-            return StreamResult(
-                client="aiohttp",
-                concurrency=args.concurrency,
-                duration_s=args.duration,
-                streams=len(events),
-                events=total,
-                errors=sum(p[3] for p in parts),
-                events_per_s=round(total / args.duration, 1),
-                events_per_stream=round(sum(events) / len(events), 2) if events else 0.0,
-                stream_p50_ms=p50,
-                stream_p99_ms=p99,
-            ).as_dict()
-        results = await asyncio.gather(
-            *(_requests(session, args.url, body, win) for _ in range(args.concurrency))
-        )
+async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
+    body = job.body.encode()
+    win = _Window(job.warmup_s, job.duration_s)
+    c = job.concurrency
+    if job.stream:
+        parts = await asyncio.gather(*(_streams(session, job.url, body, win) for _ in range(c)))
+        total = sum(p[0] for p in parts)
+        events = [e for p in parts for e in p[1]]
+        times = [t for p in parts for t in p[2]]
+        p50, _, p99, _, _ = _percentiles(times)
+        return StreamResult(
+            client="aiohttp",
+            concurrency=c,
+            duration_s=job.duration_s,
+            streams=len(events),
+            events=total,
+            errors=sum(p[3] for p in parts),
+            events_per_s=round(total / job.duration_s, 1),
+            events_per_stream=round(sum(events) / len(events), 2) if events else 0.0,
+            stream_p50_ms=p50,
+            stream_p99_ms=p99,
+        ).as_dict()
+    results = await asyncio.gather(*(_requests(session, job.url, body, win) for _ in range(c)))
     lat = [x for r in results for x in r[0]]
     p50, p90, p99, mean, mx = _percentiles(lat)
     return LoadResult(
         client="aiohttp",
-        concurrency=args.concurrency,
-        duration_s=args.duration,
+        concurrency=c,
+        duration_s=job.duration_s,
         requests=len(lat),
         errors=sum(r[1] for r in results),
-        rps=round(len(lat) / args.duration, 1),
+        rps=round(len(lat) / job.duration_s, 1),
         p50_ms=p50,
         p90_ms=p90,
         p99_ms=p99,
@@ -353,17 +320,28 @@ async def _client(args: argparse.Namespace, body: bytes) -> dict[str, Any]:
     ).as_dict()
 
 
+async def _client(jobs: list[Job]) -> list[dict[str, Any]]:
+    out = []
+    for job in jobs:
+        # A fresh session per job: its connections are the job's own, as with wrk.
+        headers = {"Content-Type": "application/json", **dict(job.headers)}
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            headers=headers,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        ) as session:
+            out.append(await _run_job(session, job))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="asyncio load client for bench.proxy_overhead")
-    p.add_argument("--url", required=True)
-    p.add_argument("--body-file", required=True)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--duration", type=float, default=5.0)
-    p.add_argument("--warmup", type=float, default=0.5)
-    p.add_argument("--stream", action="store_true")
+    p.add_argument("jobs_file", help="JSON list of jobs (bench._load.Job fields)")
     args = p.parse_args()
-    body = Path(args.body_file).read_bytes()
-    print(orjson.dumps(asyncio.run(_client(args, body))).decode(), flush=True)
+    raw = orjson.loads(Path(args.jobs_file).read_bytes())
+    jobs = [Job(**{**j, "headers": tuple(map(tuple, j["headers"]))}) for j in raw]
+    print(orjson.dumps(asyncio.run(_client(jobs))).decode(), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Role: answers ``POST`` (any path) with a small fixed vLLM-shaped chat completion
 ``usage``), or, when the body asks ``"stream": true``, a Server-Sent Event stream of
 ``chunks`` chunk events, then the usage event when ``stream_options.include_usage`` is set (or
 ``stream_options`` is ``{}``, as vLLM does), then ``data: [DONE]``. ``GET /health`` answers
-200; ``GET /stats`` returns how many POSTs and streams it has served (the benchmark compares
-that with the proxy's store). Run as ``python -m bench._upstream --port 0 [--chunks K]``; it
+200; ``GET /stats`` returns how many POSTs and streams it has served, and how many POSTs
+carried ``X-Bench-Direct`` (the benchmark sends it on direct runs only, so the other POSTs are
+the ones that came through the proxy, to compare with the proxy's store). Run as ``python -m bench._upstream --port 0 [--chunks K]``; it
 prints ``upstream listening on PORT`` once it accepts connections.
 
 Invariants:
@@ -99,6 +100,7 @@ def wants_usage(body: dict[str, object]) -> bool:
 class Counters:
     def __init__(self) -> None:
         self.posts = 0
+        self.direct_posts = 0
         self.streams = 0
 
 
@@ -171,6 +173,8 @@ class EngineProtocol(asyncio.Protocol):
         assert self.transport is not None
         if head.startswith(b"post "):
             self.counters.posts += 1
+            if b"\r\nx-bench-direct:" in head:
+                self.counters.direct_posts += 1
             if b'"stream"' in body:
                 parsed = orjson.loads(body)
                 if isinstance(parsed, dict) and parsed.get("stream") is True:
@@ -180,7 +184,8 @@ class EngineProtocol(asyncio.Protocol):
                     return
             self.transport.write(self.completion)
         elif head.startswith(b"get /stats"):
-            stats = {"posts": self.counters.posts, "streams": self.counters.streams}
+            c = self.counters
+            stats = {"posts": c.posts, "direct_posts": c.direct_posts, "streams": c.streams}
             self.transport.write(_response(orjson.dumps(stats)))
         elif head.startswith(b"get /health"):
             self.transport.write(_response(b'{"status":"ok"}'))

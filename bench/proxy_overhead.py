@@ -35,13 +35,22 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench._load import Cpus, LoadResult, popen, run_aiohttp, run_streams, run_wrk, wrk_path
+from bench._load import (
+    Cpus,
+    Job,
+    LoadResult,
+    StreamResult,
+    popen,
+    run_client,
+    run_wrk,
+    wrk_path,
+)
 from bench._recorder_speed import measure_recorder, store_rows
 
 MODEL = "bench"
@@ -160,18 +169,35 @@ def idle_cpus(seconds: float = 0.5) -> float | None:
     return round(share * (os.cpu_count() or 1), 2)
 
 
-def upstream_posts(upstream: Server) -> int:
+def upstream_stats(upstream: Server) -> dict[str, int]:
     with urllib.request.urlopen(upstream.url + "/stats", timeout=5) as r:
-        return int(orjson.loads(r.read())["posts"])
+        return {k: int(v) for k, v in orjson.loads(r.read()).items()}
 
 
-def http_load(
-    url: str, body: bytes, concurrency: int, plan: Plan, client: str, cpus: Cpus
-) -> LoadResult:
-    if client == "wrk":
-        threads = len(cpus) if cpus else os.cpu_count() or 1
-        return run_wrk(url, body, concurrency, plan.duration_s, plan.warmup_s, threads, cpus)
-    return run_aiohttp(url, body, concurrency, plan.duration_s, plan.warmup_s, cpus)
+def plan_jobs(plan: Plan, direct: str, proxied: str) -> list[tuple[str, Job]]:
+    """(target, job) for every load run, in the order they run: direct then proxied at each
+    concurrency, then the streams. Direct jobs carry ``X-Bench-Direct`` (see bench._upstream)."""
+    mark = (("X-Bench-Direct", "1"),)
+    jobs: list[tuple[str, Job]] = []
+    for c in plan.concurrencies:
+        for target, url, headers in (("direct", direct, mark), ("proxied", proxied, ())):
+            job = Job(url + ROUTE, BODY.decode(), c, plan.duration_s, plan.warmup_s)
+            jobs.append((target, replace(job, headers=headers)))
+    for target, url, headers in (("direct", direct, mark), ("proxied", proxied, ())):
+        body = STREAM_BODY.decode()
+        job = Job(url + ROUTE, body, plan.stream_concurrency, plan.stream_duration_s, plan.warmup_s)
+        jobs.append((target, replace(job, stream=True, headers=headers)))
+    return jobs
+
+
+def run_jobs(jobs: list[Job], client: str, cpus: Cpus) -> list[LoadResult | StreamResult]:
+    """``wrk`` runs each plain job (streams always use the asyncio client: ``wrk`` cannot
+    count events); the asyncio client runs its jobs in one child process."""
+    if client != "wrk":
+        return run_client(jobs, cpus)
+    threads = len(cpus) if cpus else os.cpu_count() or 1
+    streamed = iter(run_client([j for j in jobs if j.stream], cpus))
+    return [next(streamed) if j.stream else run_wrk(j, threads, cpus) for j in jobs]
 
 
 def measure_http(
@@ -191,65 +217,23 @@ def measure_http(
         proxy_cmd += ["--upstream", f"{MODEL}={upstream.url}", "--store", str(store)]
         proxy_cmd += ["--workflow", WORKFLOW, "--log-level", "INFO"]
         proxy = Server("proxy", proxy_cmd, place.proxy, logs)
-        via_proxy = 0  # POSTs that reached the upstream through the proxy
-
-        def proxied(run: Any) -> Any:
-            nonlocal via_proxy
-            before = upstream_posts(upstream)
-            result = run()
-            time.sleep(0.2)  # let calls cut at the end of the run reach their finally
-            via_proxy += upstream_posts(upstream) - before
-            return result
-
+        jobs = plan_jobs(plan, upstream.url, proxy.url)
+        results = run_jobs([j for _, j in jobs], client, place.others)
         runs: list[dict[str, Any]] = []
-        for c in plan.concurrencies:
-            direct = http_load(upstream.url + ROUTE, BODY, c, plan, client, place.others)
-            runs.append({"target": "direct", **direct.as_dict()})
-            via = proxied(
-                lambda c=c: http_load(proxy.url + ROUTE, BODY, c, plan, client, place.others)
-            )
-            runs.append({"target": "proxied", **via.as_dict()})
-            _print_run(c, direct, via)
-        streams = {}
-        for target, base in (("direct", upstream.url), ("proxied", proxy.url)):
-
-            def go(base: str = base) -> Any:
-                return run_streams(
-                    base + ROUTE,
-                    STREAM_BODY,
-                    plan.stream_concurrency,
-                    plan.stream_duration_s,
-                    plan.warmup_s,
-                    place.others,
-                )
-
-            res = proxied(go) if target == "proxied" else go()
-            streams[target] = res.as_dict()
-            print(
-                f"streams x{plan.stream_concurrency} {target:8} {res.events_per_s:>10.0f} events/s"
-            )
-        streams["expected_events_per_stream"] = plan.stream_chunks + 1  # chunks + [DONE]
+        streams: dict[str, Any] = {"expected_events_per_stream": plan.stream_chunks + 1}
+        for (target, job), res in zip(jobs, results, strict=True):
+            if job.stream:
+                streams[target] = res.as_dict()
+            else:
+                runs.append({"target": target, **res.as_dict()})
         t_stop = time.perf_counter()
         code = proxy.stop(signal.SIGTERM)
         shutdown_s = time.perf_counter() - t_stop
-        log = proxy.err.read_text(errors="replace")
-        closed = _RECORDER_CLOSED.search(log)
-        on_disk = store_rows(str(store))
-        check = {
-            "posts_via_proxy": via_proxy,
-            "records_in_store": on_disk,
-            "records_lost": max(0, via_proxy - on_disk),
-            "records_extra": max(0, on_disk - via_proxy),
-            "proxy_recorder_written": int(closed[1]) if closed else None,
-            "proxy_recorder_dropped": int(closed[2]) if closed else None,
-            "proxy_exit_code": code,
-            "shutdown_s": round(shutdown_s, 3),
-        }
         return {
             "proxy_command": proxy_cmd,
             "http": runs,
             "streaming": streams,
-            "store_check": check,
+            "store_check": store_check(upstream, proxy, store, code, shutdown_s),
         }
     finally:
         if proxy is not None:
@@ -257,13 +241,35 @@ def measure_http(
         upstream.stop(signal.SIGKILL)
 
 
-def _print_run(c: int, direct: LoadResult, via: LoadResult) -> None:
-    print(
-        f"c={c:<3} direct {direct.rps:>9.0f} rps p50 {direct.p50_ms:.3f} ms | proxied "
-        f"{via.rps:>8.0f} rps p50 {via.p50_ms:.3f} p99 {via.p99_ms:.3f} ms "
-        f"(errors {direct.errors}/{via.errors})",
-        flush=True,
-    )
+def store_check(
+    upstream: Server, proxy: Server, store: Path, code: int | None, shutdown_s: float
+) -> dict[str, Any]:
+    """The stopped proxy's store against the POSTs that reached the upstream through it."""
+    stats = upstream_stats(upstream)
+    via_proxy = stats["posts"] - stats["direct_posts"]
+    closed = _RECORDER_CLOSED.search(proxy.err.read_text(errors="replace"))
+    on_disk = store_rows(str(store))
+    return {
+        "posts_via_proxy": via_proxy,
+        "records_in_store": on_disk,
+        "records_lost": max(0, via_proxy - on_disk),
+        "records_extra": max(0, on_disk - via_proxy),
+        "proxy_recorder_written": int(closed[1]) if closed else None,
+        "proxy_recorder_dropped": int(closed[2]) if closed else None,
+        "proxy_exit_code": code,
+        "shutdown_s": round(shutdown_s, 3),
+    }
+
+
+def print_http(report: dict[str, Any]) -> None:
+    for r in report["http"]:
+        print(
+            f"c={r['concurrency']:<3} {r['target']:8} {r['rps']:>9.0f} rps  p50 {r['p50_ms']:.3f}"
+            f"  p90 {r['p90_ms']:.3f}  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}"
+        )
+    for target in ("direct", "proxied"):
+        s = report["streaming"][target]
+        print(f"streams x{s['concurrency']} {target:8} {s['events_per_s']:>10.0f} events/s")
 
 
 def measure_recorder_runs(plan: Plan, place: Placement) -> dict[str, Any]:
@@ -328,6 +334,7 @@ def run_benchmark(plan: Plan, client: str = "auto", pin: bool = True) -> dict[st
     with tempfile.TemporaryDirectory(prefix="scepsy-bench-proxy-") as tmp:
         store = Path(tmp, "store")
         http = measure_http(plan, client, place, Path(tmp), store)
+    print_http(http)
     load_after = os.getloadavg()
     recorder = measure_recorder_runs(plan, place)
     summary = summarise(http, recorder)
