@@ -1,0 +1,259 @@
+"""The proxy as a process: SIGTERM under load loses no record, SIGKILL under load leaves only
+complete readable segments, bad settings exit 2 with one line naming the key.
+
+The proxy runs as ``python -m proxy.cli`` in a subprocess; the fake replica and the openai
+client run in the test's event loop. Every subprocess is killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import httpx2
+import openai
+import pytest
+import yaml
+from openai.types.chat import ChatCompletionMessageParam
+
+from shared.records import COLUMNS
+from shared.store import SegmentWriter, StoreReader, segment_dir
+from tests.proxy.conftest import EngineFactory
+
+REPO = Path(__file__).resolve().parents[2]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class ProxyProcess:
+    proc: asyncio.subprocess.Process
+    url: str
+    store: Path
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def exit_code(self, limit_s: float) -> int:
+        try:
+            return await asyncio.wait_for(self.proc.wait(), limit_s)
+        except TimeoutError:
+            raise AssertionError(
+                f"proxy still running after {limit_s}s:\n{self.stderr()}"
+            ) from None
+
+
+@asynccontextmanager
+async def proxy_process(
+    tmp_path: Path, upstream: str, settings: dict[str, Any]
+) -> AsyncIterator[ProxyProcess]:
+    """``python -m proxy.cli`` on a free port with ``settings`` as its --config file."""
+    store = tmp_path / "store"
+    config = tmp_path / "proxy.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    port = _free_port()
+    args = ["--config", str(config), "--listen", f"127.0.0.1:{port}"]
+    args += ["--upstream", f"m={upstream}", "--store", str(store), "--workflow", "wf"]
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            *args,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+    handle = ProxyProcess(proc, f"http://127.0.0.1:{port}", store, log)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert b"listening on" in line, f"{line!r}\n{handle.stderr()}"
+        yield handle
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _client(url: str) -> openai.AsyncOpenAI:
+    limits = httpx2.Limits(max_connections=2000, max_keepalive_connections=2000)
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="sk-test",
+        max_retries=0,
+        timeout=15,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
+
+
+async def _complete_call(client: openai.AsyncOpenAI, key: str, stream: bool) -> bool:
+    """One chat call; True when the client received the whole response."""
+    headers = {"Idempotency-Key": key}
+    try:
+        if stream:
+            headers |= {"X-Fake-Mode": "slow", "X-Fake-Tokens": "30"}
+            chunks = await client.chat.completions.create(
+                model="m", messages=MSG, stream=True, extra_headers=headers
+            )
+            finish = [c.choices[0].finish_reason async for c in chunks if c.choices]
+            return finish[-1:] == ["length"]
+        done = await client.chat.completions.create(model="m", messages=MSG, extra_headers=headers)
+        return done.choices[0].finish_reason == "length"
+    except (openai.APIError, httpx2.HTTPError):
+        return False
+
+
+async def _until(cond: Any, limit_s: float, what: str) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {limit_s}s waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.timeout(40)
+async def test_sigterm_under_load_loses_no_record(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    fake = await engine_factory(name="up")
+    # Records reach disk only at shutdown (the interval flush never comes): SIGTERM must flush.
+    settings = {
+        "proxy": {"proxy_id": "p-term", "shutdown_grace_s": 10},
+        "store": {"flush_interval_s": 600},
+    }
+    async with proxy_process(tmp_path, fake.url, settings) as proxy, _client(proxy.url) as client:
+        keys = [uuid.uuid4().hex for _ in range(200)]
+        streams = set(keys[::4])  # 50 paced streams of ~0.3 s among 150 plain calls
+        tasks = {k: asyncio.create_task(_complete_call(client, k, k in streams)) for k in keys}
+        await _until(lambda: fake.in_flight >= 40, 15, "calls in flight at the replica")
+        received = {
+            v for c in fake.calls for h, v in c.headers.items() if h.lower() == "idempotency-key"
+        }
+        proxy.proc.send_signal(signal.SIGTERM)
+        # Calls keep coming while it shuts down: they may be refused, never half-recorded.
+        late = [uuid.uuid4().hex for _ in range(50)]
+        for k in late:
+            tasks[k] = asyncio.create_task(_complete_call(client, k, False))
+            await asyncio.sleep(0.002)
+        done = dict(zip(tasks, await asyncio.gather(*tasks.values()), strict=True))
+        assert await proxy.exit_code(15) == 0, proxy.stderr()
+    completed = {k for k, ok in done.items() if ok}
+    rows = StoreReader(proxy.store).calls().fetchall()
+    recorded = {r[0]: r for r in rows}
+    status_at = [name for name, _ in COLUMNS].index("status")
+    assert len(recorded) == len(rows), "a call was recorded twice"
+    missing = completed - set(recorded)
+    assert not missing, f"{len(missing)} completed calls have no record"
+    assert all(recorded[k][status_at] == 200 for k in completed)
+    # Every call the replica had received by SIGTERM (many still in flight) finished for its client.
+    assert received & streams and all(done[k] for k in received)
+    assert "0 dropped" in proxy.stderr()
+
+
+@pytest.mark.timeout(40)
+async def test_sigkill_under_load_leaves_only_complete_segments(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    fake = await engine_factory(name="up")
+    # Tiny, frequent segments: the writer is busy all the time, so the kill lands mid-write
+    # more often than not.
+    settings = {
+        "proxy": {"proxy_id": "p-kill"},
+        "store": {"flush_interval_s": 0.01, "segment_rows": 8},
+    }
+    seg_dir = segment_dir(tmp_path / "store", "p-kill")
+    async with proxy_process(tmp_path, fake.url, settings) as proxy, _client(proxy.url) as client:
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            while not stop.is_set():
+                await _complete_call(client, uuid.uuid4().hex, False)
+
+        workers = [asyncio.create_task(load()) for _ in range(32)]
+        try:
+            await _until(lambda: len(list(seg_dir.glob("*.parquet"))) >= 10, 20, "segments")
+            proxy.proc.send_signal(signal.SIGKILL)
+            assert await proxy.exit_code(5) == -signal.SIGKILL
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+    segments = sorted(seg_dir.glob("*.parquet"))
+    others = [p.name for p in seg_dir.iterdir() if p.suffix != ".parquet"]
+    # Anything not a finished segment is a hidden temporary that no reader's glob matches.
+    assert all(n.startswith(".") and n.endswith(".tmp") for n in others), others
+    con = duckdb.connect(":memory:")
+    names = [name for name, _ in COLUMNS]
+    rows = 0
+    for seg in segments:
+        rel = con.sql(f"SELECT * FROM read_parquet('{seg}', hive_partitioning = false)")
+        assert rel.columns == names, seg
+        n = len(rel.fetchall())
+        assert 1 <= n <= 8, seg
+        rows += n
+    [(total,)] = StoreReader(proxy.store).calls().aggregate("count(*)").fetchall()
+    assert total == rows and len(segments) >= 10
+    # The next writer of that proxy removes what the killed one left half-written.
+    SegmentWriter(proxy.store, "p-kill").close()
+    assert [p.name for p in seg_dir.iterdir() if p.suffix != ".parquet"] == []
+    assert len(sorted(seg_dir.glob("*.parquet"))) == len(segments)
+
+
+def _scepsy_proxy() -> list[str]:
+    script = Path(sys.executable).parent / "scepsy-proxy"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]
+
+
+BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
+    ({"proxy": {"upstreams": [{"model": "m", "url": "ftp://x"}]}}, "proxy.upstreams[0].url"),
+    ({"store": {"flush_interval_s": "soon"}}, "store.flush_interval_s"),
+    ({"proxy": {"upstreamz": []}}, "proxy.upstreamz"),
+]
+
+
+@pytest.mark.timeout(30)
+async def test_bad_config_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    async def run(i: int, doc: dict[str, Any]) -> tuple[int | None, bytes, bytes]:
+        config = tmp_path / f"bad{i}.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        proc = await asyncio.create_subprocess_exec(
+            *_scepsy_proxy(),
+            "--config",
+            str(config),
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        return proc.returncode, out, err
+
+    results = await asyncio.gather(*(run(i, doc) for i, (doc, _) in enumerate(BAD_CONFIGS)))
+    for (doc, key), (code, out, err) in zip(BAD_CONFIGS, results, strict=True):
+        lines = err.decode().splitlines()
+        assert code == 2, (doc, code, err)
+        assert len(lines) == 1 and key in lines[0], (doc, lines)
+        assert b"Traceback" not in err and out == b"", (doc, out)
