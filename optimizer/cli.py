@@ -21,6 +21,7 @@ from types import ModuleType
 # name -> module. Later work adds profile, plan, run, render, demo, inventory.
 COMMANDS: dict[str, str] = {
     "stats": "optimizer.stats_report",
+    "inventory": "optimizer.inventory_cmd",
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
