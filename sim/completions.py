@@ -201,7 +201,8 @@ class _Run:
         per_prompt = len(self.call.choices) // len(self.call.prompts)
         for i, gen in enumerate(self.call.choices):
             ticket = self.engine.submit(
-                self.rids[i], self.call.prompts[i // per_prompt], len(gen.tokens), self.sink, i)
+                self.rids[i], self.call.prompts[i // per_prompt], len(gen.tokens), self.sink, i,
+                every_token=self.call.stream)
             ticket.on_cached = self._add_cached
 
     def _add_cached(self, tokens: int) -> None:

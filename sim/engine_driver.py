@@ -9,11 +9,14 @@ Invariants:
   ``anchor + sum(durations[:k+1]) / speedup`` (sleeps are scheduled against that target, so
   timer overshoot in one step is recovered in the next instead of accumulating);
 - when the driver falls more than ``max_catch_up_s`` behind (Python work per step exceeding the
-  step's wall budget), it re-anchors instead of bursting, and that lost time shows up in
-  ``lag_ratio``: wall time spent per busy step over the wall time the model asked for, minus 1,
-  exponentially averaged over the last ~``lag_window_s`` seconds of busy time;
+  step's wall budget, or the OS waking it late), it re-anchors instead of bursting; the time
+  lost (step wall time minus the wall time the model asked for) is reported two ways, both
+  exponentially averaged over ~``lag_window_s`` seconds: ``lag_ratio``, lost time over all
+  wall time (how far the model's clock drifts behind wall x speed-up), and ``step_stretch``,
+  lost time over the intended busy time (how much slower a busy engine runs than modelled);
 - a request's updates arrive in order and end with exactly one ``finished`` update, unless it
-  is aborted first (then nothing more arrives).
+  is aborted first (then nothing more arrives); a request submitted with ``every_token=False``
+  (a non-streaming call) gets only its first-token and finished updates.
 """
 
 from __future__ import annotations
@@ -51,29 +54,45 @@ class Ticket:
     emitted: int = 0
     prompt_tokens: int = 0
     request: EngineRequest | None = None
+    every_token: bool = True  # False: only the first-token and finished updates are sent
     on_cached: Callable[[int], None] | None = None  # told the prompt tokens found in cache
 
 
 @dataclass
 class _LagMeter:
-    """Exponentially weighted wall-versus-intended busy time (see module invariants)."""
+    """Exponentially weighted lost time (see module invariants), over all wall time (clock
+    lag) and over busy wall time only (step stretch)."""
 
     window_s: float
-    wall: float = 0.0
-    intended: float = 0.0
-    wall_total: float = 0.0
-    intended_total: float = 0.0
+    last: float
+    elapsed: float = 0.0  # decayed wall time, busy and idle
+    busy: float = 0.0  # decayed wall time spent in steps
+    lost: float = 0.0  # decayed (step wall - intended step wall); negative when catching up
+    lost_total: float = 0.0
+    busy_total: float = 0.0
 
-    def add(self, wall: float, intended: float) -> None:
-        keep = math.exp(-wall / self.window_s)
-        self.wall = self.wall * keep + wall
-        self.intended = self.intended * keep + intended
-        self.wall_total += wall
-        self.intended_total += intended
+    def add_step(self, end: float, wall: float, intended: float) -> None:
+        dt = max(0.0, end - self.last)
+        keep = math.exp(-dt / self.window_s)
+        self.elapsed = self.elapsed * keep + dt
+        self.busy = self.busy * keep + wall
+        self.lost = self.lost * keep + (wall - intended)
+        self.last = end
+        self.lost_total += wall - intended
+        self.busy_total += wall
+
+    def clock_lag(self, now: float) -> float:
+        """Fraction of recent wall time by which the model's clock fell behind."""
+        dt = max(0.0, now - self.last)
+        keep = math.exp(-dt / self.window_s)
+        elapsed = self.elapsed * keep + dt
+        return self.lost * keep / elapsed if elapsed > 0 else 0.0
 
     @property
-    def ratio(self) -> float:
-        return self.wall / self.intended - 1.0 if self.intended > 0 else 0.0
+    def step_stretch(self) -> float:
+        """Recent busy wall time over the wall time the steps asked for, minus 1."""
+        intended = self.busy - self.lost
+        return self.lost / intended if intended > 0 else 0.0
 
 
 @dataclass
@@ -95,8 +114,8 @@ class EngineDriver:
         if not self.speedup > 0:
             raise ValueError(f"speedup must be positive, got {self.speedup}")
         self._wake = asyncio.Event()
-        self._lag = _LagMeter(self.lag_window_s)
         self._t0 = self.clock()
+        self._lag = _LagMeter(self.lag_window_s, self._t0)
 
     # -- requests ------------------------------------------------------------------------
     def submit(
@@ -106,11 +125,13 @@ class EngineDriver:
         output_tokens: int,
         sink: asyncio.Queue[Update],
         index: int = 0,
+        *,
+        every_token: bool = True,
     ) -> Ticket:
         now = self.clock()
         req = EngineRequest(rid, prompt, output_tokens, arrival=self.model_now())
         ticket = Ticket(rid, index, output_tokens, sink, now, prompt_tokens=len(prompt),
-                        request=req)
+                        request=req, every_token=every_token)
         self.tickets[rid] = ticket
         self.core.submit(req)
         self._wake.set()
@@ -130,11 +151,22 @@ class EngineDriver:
 
     @property
     def lag_ratio(self) -> float:
-        return self._lag.ratio
+        """How far the model's clock fell behind wall x speed-up, as a fraction of recent
+        wall time (idle time included: an idle engine keeps its clock)."""
+        return self._lag.clock_lag(self.clock())
+
+    @property
+    def step_stretch(self) -> float:
+        """Recent busy steps' wall time over what the model asked for, minus 1."""
+        return self._lag.step_stretch
 
     @property
     def busy_wall_s(self) -> float:
-        return self._lag.wall_total
+        return self._lag.busy_total
+
+    @property
+    def lost_wall_s(self) -> float:
+        return self._lag.lost_total
 
     # -- the loop ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -165,7 +197,7 @@ class EngineDriver:
                     target = self.clock()  # too far behind: give the time up, counted as lag
                 await asyncio.sleep(0)  # let handlers run even when behind
             end = self.clock()
-            self._lag.add(end - prev_end, intended)
+            self._lag.add_step(end, end - prev_end, intended)
             prev_end = end
             self._deliver(outcome, end)
 
@@ -203,7 +235,8 @@ class EngineDriver:
                 ticket.emitted = ticket.output_tokens
                 ticket.finished_at = now
                 del self.tickets[rid]
-            ticket.sink.put_nowait(Update(ticket.index, ticket.emitted, is_first, done))
+            if is_first or done or ticket.every_token:  # waking a handler per token costs
+                ticket.sink.put_nowait(Update(ticket.index, ticket.emitted, is_first, done))
             if done and self.on_finished is not None:
                 self.on_finished(ticket)
 

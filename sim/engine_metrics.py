@@ -69,12 +69,21 @@ class _EngineCollector(Collector):
         drv = self._driver
         lag = GaugeMetricFamily(
             "scepsy_emulator_clock_lag_ratio",
-            "Wall time the emulator spent per busy step over the wall time its model asked "
-            "for, minus 1, averaged over recent busy time (0 = exact, 0.05 = 5% slow).",
-            labels=["model_name"],
-        )
+            "Wall time the emulator lost against its model clock over recent wall time, idle "
+            "included (0 = exact, 0.05 = clock 5% behind).", labels=["model_name"])
         lag.add_metric(labels, drv.lag_ratio)
         yield lag
+        stretch = GaugeMetricFamily(
+            "scepsy_emulator_step_stretch_ratio",
+            "Recent busy steps' wall time over the wall time the model asked for, minus 1.",
+            labels=["model_name"])
+        stretch.add_metric(labels, drv.step_stretch)
+        yield stretch
+        lost = CounterMetricFamily(
+            "scepsy_emulator_lost_wall_seconds",
+            "Wall seconds steps took beyond what the model asked for.", labels=["model_name"])
+        lost.add_metric(labels, drv.lost_wall_s)
+        yield lost
         speed = GaugeMetricFamily(
             "scepsy_emulator_speedup", "Model seconds per wall second.", labels=["model_name"]
         )

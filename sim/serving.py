@@ -173,10 +173,11 @@ class EmulatedEngine:
         return 0 if temperature == 0 else -1 - next(self.draws)
 
     def submit(self, rid: str, prompt: Sequence[int], output_tokens: int,
-               sink: asyncio.Queue[Update], index: int) -> Ticket:
+               sink: asyncio.Queue[Update], index: int, *, every_token: bool = False) -> Ticket:
         """Hand one request to the driver; the core's refusal becomes a 400."""
         try:
-            return self.driver.submit(rid, prompt, output_tokens, sink, index)
+            return self.driver.submit(rid, prompt, output_tokens, sink, index,
+                                      every_token=every_token)
         except ValueError as exc:
             raise ApiError(str(exc)) from exc
 

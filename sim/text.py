@@ -17,7 +17,9 @@ Invariants:
 Assumptions (not measured, marked as such): the number of tokens per beam-search step is
 lognormal with median ``median_tokens`` (default 60) and log-sigma ``sigma`` (default 0.7);
 a step ends with end-of-sequence instead of its stop string with probability
-``eos_probability`` (default 0.1, i.e. ~10 steps per solution, within workloads.md's 5-15).
+``eos_probability`` (default 0.1: a geometric depth, median 7 and mean 10 steps, against
+workloads.md's 5-15). That choice depends on the prompt only, so every sample continuing one
+beam agrees on whether the solution ends here.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 VOCAB_SIZE = 128_256  # Llama-3's vocabulary size; ids only need to be stable, not meaningful
-_PIECE = re.compile(r"<\|[a-z_]+\|>| ?[A-Za-z0-9]+| ?[^\sA-Za-z0-9]|\s+")
+# Words split into chunks of at most five letters: ~1.3 tokens per English word, like BPE.
+_PIECE = re.compile(r"<\|[a-z_]+\|>| ?[A-Za-z0-9]{1,5}| ?[^\sA-Za-z0-9]|\s+")
 BOS = "<|begin_of_text|>"
-_CHUNK = 6  # characters per token for long words: ~1.3 tokens per English word, like BPE
 
 # Words the emulated models write with: reasoning-flavoured so logs look plausible.
 _WORDS: tuple[str, ...] = tuple(
@@ -58,19 +61,19 @@ def digest(*parts: object) -> int:
 
 
 def pieces(text: str) -> list[str]:
-    """Split text into token strings: special tokens, (space+)word chunks, punctuation, space."""
-    out: list[str] = []
-    for piece in _PIECE.findall(text):
-        if len(piece) <= _CHUNK or piece.startswith("<|"):
-            out.append(piece)
-        else:
-            out.extend(piece[i : i + _CHUNK] for i in range(0, len(piece), _CHUNK))
-    return out
+    """Split text into token strings: special tokens, (space+)word chunks of at most five
+    letters, punctuation, whitespace runs."""
+    return _PIECE.findall(text)
+
+
+@lru_cache(maxsize=1 << 18)
+def _piece_id(piece: str) -> int:
+    return digest(piece) % VOCAB_SIZE
 
 
 def token_ids(text: str) -> list[int]:
     """Token ids of text; identical pieces always map to identical ids."""
-    return [digest(p) % VOCAB_SIZE for p in pieces(text)]
+    return list(map(_piece_id, _PIECE.findall(text)))
 
 
 def count_tokens(text: str) -> int:
@@ -180,7 +183,11 @@ def plan_generation(
     else:
         drawn = lengths.median_tokens * math.exp(lengths.sigma * float(rng.standard_normal()))
         length = max(1, round(drawn), req.min_tokens)
-        eos = not req.stop or float(rng.random()) < lengths.eos_probability
+        # Whether this step ends the solution depends on the prompt (the solution so far),
+        # not on the sample: copies of one beam end together, as a real model's would when
+        # the next step is the answer. Depth is then geometric (mean 1 / eos_probability).
+        ends = (digest("eos", seed, req.prompt) % 1_000_003) / 1_000_003
+        eos = not req.stop or ends < lengths.eos_probability
         ending = None if eos else req.stop[0]
     body = _words(rng, max(0, length - 1) if ending is not None else length)
     tokens = [*body, ending] if ending is not None else body
