@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from shared.cluster import ClusterSettings
 from shared.settings_schema import SettingsError, decode, describe, setting
 
 __all__ = [
@@ -191,6 +192,9 @@ class Settings:
 
     proxy: ProxySettings = setting(factory=ProxySettings, doc="the sidecar proxy")
     store: StoreSettings = setting(factory=StoreSettings, doc="the trace store")
+    cluster: ClusterSettings = setting(
+        factory=ClusterSettings, doc="the GPU cluster: nodes, NVLink domains, GPUs"
+    )
 
 
 def settings_from_mapping(data: Any) -> Settings:
