@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+from numpy.typing import NDArray
+
 from sim.perf import PerfModel
 
 __all__ = [
@@ -80,39 +83,36 @@ class _Seq:
         "_hashes",
         "cached_tokens",
         "computed",
+        "full_blocks",
         "generated",
         "held",
-        "matched",
+        "nblocks",
         "private",
         "prompt_len",
         "registered",
         "req",
     )
 
-    def __init__(self, req: EngineRequest) -> None:
+    def __init__(self, req: EngineRequest, block_size: int) -> None:
         self.req = req
         self.prompt_len = len(req.prompt)
+        self.full_blocks = self.prompt_len // block_size  # prompt blocks the cache can hold
         self.generated = 0
         self.computed = 0
         self.held: list[int] = []  # hashes of cached blocks this request references, in order
         self.private = 0  # blocks held outside the prefix cache
+        self.nblocks = 0  # len(held) + private
         self.registered = 0  # prompt blocks already offered to the cache
-        self.matched = False  # prefix lookup done since (re)admission
         self.cached_tokens = 0  # prefix-cache hit at the last admission
         self._hashes: Sequence[int] | None = None
 
     def hashes(self, block_size: int) -> Sequence[int]:
         if self._hashes is None:
             prompt = self.req.prompt
-            if isinstance(prompt, HashedPrompt):
-                self._hashes = prompt.block_hashes(block_size)
-            else:
-                self._hashes = chain_block_hashes(prompt, block_size)
+            own = getattr(prompt, "block_hashes", None)  # HashedPrompt; isinstance() is slow
+            self._hashes = (own(block_size) if own is not None
+                            else chain_block_hashes(prompt, block_size))
         return self._hashes
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.held) + self.private
 
 
 class _BlockPool:
@@ -219,7 +219,7 @@ class EngineCore:
         if -(-total // self.block_size) > self._pool.num_blocks:
             raise ValueError(f"{total} tokens exceed the KV cache "
                              f"({self._pool.num_blocks * self.block_size} tokens)")
-        seq = _Seq(req)
+        seq = _Seq(req, self.block_size)
         self._seqs[req.rid] = seq
         self._waiting.append(seq)
 
@@ -238,9 +238,6 @@ class EngineCore:
         return bool(self._running or self._waiting)
 
     # --- blocks --------------------------------------------------------------------------
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def _release(self, seq: _Seq) -> None:
         pool = self._pool
         for h in reversed(seq.held):  # tail blocks enter the LRU first, so go first
@@ -248,9 +245,9 @@ class EngineCore:
         pool.free += seq.private
         seq.held = []
         seq.private = 0
+        seq.nblocks = 0
         seq.computed = 0
         seq.registered = 0
-        seq.matched = False
 
     def _preempt(self, seq: _Seq, out: StepOutcome) -> None:
         self._release(seq)
@@ -262,23 +259,14 @@ class EngineCore:
         """Prompt blocks found cached, and how many of them sit unreferenced in the LRU."""
         if not self.enable_prefix_caching:
             return 0, 0
-        refs = self._pool.refs
-        hits = in_lru = 0
-        for h in seq.hashes(self.block_size):
-            count = refs.get(h)
-            if count is None:
-                break
-            hits += 1
-            in_lru += count == 0
-        limit = (seq.prompt_len + seq.generated - 1) // self.block_size
-        if hits > limit:  # the last token must be computed to produce logits
-            for h in seq.hashes(self.block_size)[limit:hits]:
-                in_lru -= refs[h] == 0
-            hits = limit
-        return hits, in_lru
+        counts = list(map(self._pool.refs.get, seq.hashes(self.block_size)))
+        hits = counts.index(None) if None in counts else len(counts)
+        # the last token must be computed to produce logits
+        hits = min(hits, (seq.prompt_len + seq.generated - 1) // self.block_size)
+        return hits, counts[:hits].count(0)
 
     def _register(self, seq: _Seq) -> None:
-        full = min(seq.computed, seq.prompt_len) // self.block_size
+        full = min(seq.computed // self.block_size, seq.full_blocks)
         if full <= seq.registered:
             return
         hashes = seq.hashes(self.block_size)
@@ -290,96 +278,147 @@ class EngineCore:
         seq.registered = full
 
     # --- scheduling ----------------------------------------------------------------------
-    def _schedule(self, out: StepOutcome) -> list[tuple[_Seq, int]]:
+    def _account(self, seq: _Seq, n: int, out: StepOutcome, done: list[_Seq]) -> None:
+        """``seq`` computes ``n`` more tokens this step: register its full prompt blocks (at
+        schedule time, as vLLM does) and sample a token when its pending tokens are done."""
+        computed = seq.computed = seq.computed + n
+        if seq.registered < seq.full_blocks and self.enable_prefix_caching:
+            self._register(seq)
+        generated = seq.generated
+        if computed < seq.prompt_len + generated:
+            return  # a prefill chunk: no token sampled yet
+        rid = seq.req.rid
+        if generated == 0:
+            out.first_token.append(rid)
+            out.cached_tokens[rid] = seq.cached_tokens
+            self.prompt_tokens_total += seq.prompt_len
+        wanted = seq.req.output_tokens
+        if generated < wanted:
+            seq.generated = generated = generated + 1
+            out.emitted.append((rid, 1))
+        if generated >= wanted:
+            out.finished.append(rid)
+            done.append(seq)
+
+    def step(self) -> StepOutcome:
+        """Schedule and account one engine step; the driver advances its clock by
+        ``duration`` (simulator) or sleeps it (emulator). Running requests go first, in
+        admission order; waiting ones are admitted only if nothing had to be preempted."""
+        out = StepOutcome(0.0)
         budget = self.max_num_batched_tokens
+        bs = self.block_size
         pool = self._pool
-        scheduled: list[tuple[_Seq, int]] = []
+        lru = pool.lru
+        prefill = decode = context = 0
+        done: list[_Seq] = []  # finished: their blocks are freed after the step, as in vLLM
         running = self._running
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.prompt_len + seq.generated - seq.computed, budget)
-            need = self._blocks_for(seq.computed + n) - seq.num_blocks
-            while need > pool.available() and running[-1] is not seq:
-                self._preempt(running.pop(), out)
-            if need > pool.available():  # seq is the lowest priority: it yields itself
-                running.pop()
-                self._preempt(seq, out)
+            computed = seq.computed
+            pending = seq.prompt_len + seq.generated - computed
+            n = pending if pending < budget else budget
+            need = (computed + n + bs - 1) // bs - seq.nblocks
+            if need > 0:
+                while need > pool.free + len(lru) and running[-1] is not seq:
+                    self._preempt(running.pop(), out)
+                if need > pool.free + len(lru):  # seq is the lowest priority: it yields
+                    running.pop()
+                    self._preempt(seq, out)
+                    break
+                pool.take(need)
+                seq.private += need
+                seq.nblocks += need
+            if pending == 1 and seq.generated > 0:
+                decode += 1
+                context += computed
+            else:
+                prefill += n
+            budget -= n
+            i += 1
+            self._account(seq, n, out, done)
+        waiting = self._waiting
+        while (waiting and budget > 0 and len(running) < self.max_num_seqs
+               and not out.preempted):
+            seq = waiting[0]
+            hits, in_lru = self._match_prefix(seq)
+            computed = hits * bs
+            n = min(seq.prompt_len + seq.generated - computed, budget)
+            need = (computed + n + bs - 1) // bs - hits
+            if need + in_lru > pool.free + len(lru):
                 break
+            waiting.popleft()
+            seq.held = held = list(seq.hashes(bs)[:hits])
+            refs = pool.refs
+            for h in held:
+                count = refs[h]
+                if count == 0:
+                    del lru[h]
+                refs[h] = count + 1
+            seq.registered = hits
+            seq.computed = seq.cached_tokens = computed
+            self.prefix_cache_queries += seq.prompt_len
+            self.prefix_cache_hits += computed
+            pool.take(need)
+            seq.private = need
+            seq.nblocks = hits + need
+            running.append(seq)
+            prefill += n
+            budget -= n
+            self._account(seq, n, out, done)
+        self.generation_tokens_total += len(out.emitted)
+        if done:
+            for seq in done:
+                self._release(seq)
+                del self._seqs[seq.req.rid]
+                seq.computed = -1  # marks it for removal from the running list
+            self._running = [s for s in running if s.computed >= 0]
+        if prefill or decode:
+            out.duration = self.perf.step_time(prefill, decode, context)
+        return out
+
+    # --- fast-forward for the simulator ---------------------------------------------------
+    def decode_run_length(self) -> int:
+        """How many of the next steps are certain to be identical pure-decode steps in which
+        nothing finishes, is admitted or is preempted (0 when the next step is not one)."""
+        running = self._running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return 0
+        if self._waiting and len(running) < self.max_num_seqs:
+            return 0  # the next step may admit
+        k = self.max_num_batched_tokens  # any large bound
+        for seq in running:
+            if seq.generated == 0 or seq.computed != seq.prompt_len + seq.generated - 1:
+                return 0
+            left = seq.req.output_tokens - seq.generated - 1  # the last decode step finishes
+            if left < k:
+                k = left
+        while k > 0 and self._decode_blocks(k) > self._pool.available():
+            k //= 2
+        return k
+
+    def _decode_blocks(self, steps: int) -> int:
+        bs = self.block_size
+        return sum((s.computed + steps + bs - 1) // bs - s.nblocks for s in self._running)
+
+    def decode_run_times(self, steps: int) -> NDArray[np.float64]:
+        """Durations of the next ``steps`` decode steps (``steps <= decode_run_length()``)."""
+        d = len(self._running)
+        context0 = sum(s.computed for s in self._running)
+        contexts = context0 + d * np.arange(steps, dtype=np.float64)
+        return self.perf.step_times(0, d, contexts)
+
+    def advance_decode(self, steps: int) -> None:
+        """Account ``steps`` decode steps at once (``steps <= decode_run_length()``); their
+        outcomes (one token per running request per step) are not reported."""
+        bs = self.block_size
+        pool = self._pool
+        for seq in self._running:
+            computed = seq.computed = seq.computed + steps
+            seq.generated += steps
+            need = (computed + bs - 1) // bs - seq.nblocks
             if need > 0:
                 pool.take(need)
                 seq.private += need
-            scheduled.append((seq, n))
-            budget -= n
-            i += 1
-        if out.preempted:
-            return scheduled  # no admissions in a step that had to preempt
-        waiting = self._waiting
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
-            seq = waiting[0]
-            hits, in_lru = (0, 0) if seq.matched else self._match_prefix(seq)
-            computed = seq.computed if seq.matched else hits * self.block_size
-            n = min(seq.prompt_len + seq.generated - computed, budget)
-            held = seq.num_blocks if seq.matched else hits
-            need = self._blocks_for(computed + n) - held
-            if need + in_lru > pool.available():
-                break
-            waiting.popleft()
-            if not seq.matched:
-                seq.matched = True
-                hashes = seq.hashes(self.block_size)
-                for h in hashes[:hits]:
-                    pool.ref(h)
-                seq.held = list(hashes[:hits])
-                seq.registered = hits
-                seq.computed = computed
-                seq.cached_tokens = computed
-                self.prefix_cache_queries += seq.prompt_len
-                self.prefix_cache_hits += computed
-            pool.take(need)
-            seq.private += need
-            running.append(seq)
-            scheduled.append((seq, n))
-            budget -= n
-        return scheduled
-
-    def step(self) -> StepOutcome:
-        """Schedule and account one engine step; the driver advances its clock by
-        ``duration`` (simulator) or sleeps it (emulator)."""
-        out = StepOutcome(0.0)
-        scheduled = self._schedule(out)
-        if not scheduled:
-            return out
-        prefill = decode = context = 0
-        for seq, n in scheduled:
-            if n == 1 and seq.generated > 0 and seq.computed == seq.prompt_len + seq.generated - 1:
-                decode += 1
-                context += seq.computed
-            else:
-                prefill += n
-        out.duration = self.perf.step_time(prefill, decode, context)
-        finished = False
-        for seq, n in scheduled:
-            seq.computed += n
-            if self.enable_prefix_caching and seq.registered * self.block_size < seq.prompt_len:
-                self._register(seq)
-            if seq.computed < seq.prompt_len + seq.generated:
-                continue  # a prefill chunk: no token sampled yet
-            rid = seq.req.rid
-            if seq.generated == 0:
-                out.first_token.append(rid)
-                out.cached_tokens[rid] = seq.cached_tokens
-                self.prompt_tokens_total += seq.prompt_len
-            if seq.generated < seq.req.output_tokens:
-                seq.generated += 1
-                self.generation_tokens_total += 1
-                out.emitted.append((rid, 1))
-            if seq.generated >= seq.req.output_tokens:
-                out.finished.append(rid)
-                self._release(seq)
-                del self._seqs[rid]
-                seq.computed = -1  # marks it for removal from the running list
-                finished = True
-        if finished:
-            self._running = [s for s in self._running if s.computed >= 0]
-        return out
+                seq.nblocks += need
+        self.generation_tokens_total += steps * len(self._running)

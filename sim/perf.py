@@ -30,8 +30,12 @@ import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import NDArray
 
 __all__ = [
     "GPUS",
@@ -169,10 +173,14 @@ class PerfModel:
         if not 0.0 < self.bandwidth_share <= 1.0:
             raise ValueError(f"bandwidth_share must be in (0, 1], got {self.bandwidth_share}")
 
-    # The per-step constants below depend only on the fields; computing them per call is
-    # cheap next to the simulator's other work, and keeps the dataclass plain.
+    # Share-dependent factors depend only on the fields: computed once per instance.
+    @cached_property
     def _memory_factor(self) -> float:
         return max(memory_slowdown(self.share), 1.0 / self.bandwidth_share)
+
+    @cached_property
+    def _compute_factor(self) -> float:
+        return compute_slowdown(self.share)
 
     def _allreduce_time(self, tokens: int) -> float:
         if self.tp == 1:
@@ -186,19 +194,30 @@ class PerfModel:
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         """Seconds one engine step takes. ``context_tokens``: cached tokens the decoding
         sequences attend to, summed over them."""
-        tokens = prefill_tokens + decode_seqs
-        if tokens <= 0:
+        if prefill_tokens + decode_seqs <= 0:
             return 0.0
+        return float(self._time(prefill_tokens, decode_seqs, context_tokens))
+
+    def step_times(self, prefill_tokens: int, decode_seqs: int,
+                   context_tokens: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``step_time`` for many context sizes at once (the simulator's decode runs)."""
+        if prefill_tokens + decode_seqs <= 0:
+            return np.zeros_like(context_tokens)
+        return np.asarray(self._time(prefill_tokens, decode_seqs, context_tokens))
+
+    def _time(self, prefill_tokens: int, decode_seqs: int, context_tokens: Any) -> Any:
+        """The step-time formula; ``context_tokens`` may be a number or an array."""
         m, g, tp = self.model, self.gpu, self.tp
+        tokens = prefill_tokens + decode_seqs
         flops = 2.0 * m.params * tokens
         flops += 2.0 * m.layers * m.hidden * prefill_tokens * min(prefill_tokens,
                                                                   ATTENTION_SPAN_CAP)
-        flops += 4.0 * m.layers * m.hidden * context_tokens
-        compute = flops / tp / (ETA_COMPUTE * g.flops) * compute_slowdown(self.share)
+        flops = flops + 4.0 * m.layers * m.hidden * context_tokens
+        compute = flops / tp / (ETA_COMPUTE * g.flops) * self._compute_factor
         weights = m.weight_bytes / tp / (ETA_HBM * g.hbm_bytes_per_s)
         kv = context_tokens * m.kv_bytes_per_token / tp / (ETA_KV * g.hbm_bytes_per_s)
-        memory = (weights + kv) * self._memory_factor()
-        return STEP_OVERHEAD_S[m.kind] + compute + memory + self._allreduce_time(tokens)
+        memory = (kv + weights) * self._memory_factor
+        return memory + (compute + (STEP_OVERHEAD_S[m.kind] + self._allreduce_time(tokens)))
 
     def kv_capacity_tokens(self) -> int:
         """KV-cache tokens that fit in (share x memory x tp) - weights - runtime reserve."""

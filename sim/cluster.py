@@ -1,0 +1,170 @@
+"""The simulated cluster: an allocation's engine replicas, their GPU placement and the router.
+
+Role: turn an ``Allocation`` (per model: GPU type, TP degree, GPU share, replica count) into
+``Replica``s, each an ``EngineCore`` placed on GPUs, and route calls among a model's replicas.
+
+Invariants and assumptions:
+- placement is first-fit: whole-GPU replicas get GPUs of their own; fractional replicas (share
+  < 1) are packed, largest share first, onto groups of ``tp`` GPUs of their type whose shares
+  sum to at most 1; an allocation that asks for more than 100% of a GPU cannot happen;
+- co-located replicas contend for HBM bandwidth only while both have work: at the start of a
+  step a replica gets the fraction ``share / (sum of the shares of co-located replicas with
+  work)`` of the bandwidth (# assumed: bandwidth divides in proportion to SM shares); SMs are
+  partitioned by MPS, so compute does not contend;
+- routing picks, per call, among the replicas of the call's model: power of two choices on
+  outstanding calls (default), the least outstanding, or affinity by workflow request with a
+  fall-back to the least loaded when the preferred replica is far busier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from sim.engine import EngineCore
+from sim.perf import PerfModel, perf_model
+
+__all__ = ["Allocation", "Replica", "ReplicaSpec", "Router", "RoutingPolicy", "build_replicas"]
+
+RoutingPolicy = Literal["p2c", "least", "affinity"]
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    model: str
+    gpu: str = "a6000"
+    tp: int = 1
+    share: float = 1.0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        perf_model(self.model, self.gpu, self.tp, self.share)  # validates names and values
+        if self.count < 0:
+            raise ValueError(f"{self.model}: count must be >= 0")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    replicas: tuple[ReplicaSpec, ...]
+
+    @classmethod
+    def of(cls, *specs: ReplicaSpec | tuple[str, str, int, float, int]) -> Allocation:
+        """From specs or ``(model, gpu, tp, share, count)`` tuples."""
+        return cls(tuple(s if isinstance(s, ReplicaSpec) else ReplicaSpec(*s) for s in specs))
+
+    @property
+    def gpus(self) -> float:
+        """GPU-equivalents the allocation uses (sum of count x tp x share)."""
+        return sum(s.count * s.tp * s.share for s in self.replicas)
+
+    def models(self) -> set[str]:
+        return {s.model for s in self.replicas if s.count > 0}
+
+
+def place(allocation: Allocation) -> list[tuple[ReplicaSpec, tuple[int, ...]]]:
+    """First-fit placement: each replica instance with the GPU indices it uses."""
+    instances = [s for s in allocation.replicas for _ in range(s.count)]
+    order = sorted(range(len(instances)), key=lambda i: -instances[i].share)
+    groups: list[tuple[str, int, list[int], list[float]]] = []  # gpu type, tp, indices, [used]
+    placed: dict[int, tuple[int, ...]] = {}
+    next_gpu = 0
+    for i in order:
+        spec = instances[i]
+        for gpu, tp, idx, used in groups:
+            if gpu == spec.gpu and tp == spec.tp and used[0] + spec.share <= 1.0 + _EPS:
+                used[0] += spec.share
+                placed[i] = tuple(idx)
+                break
+        else:
+            idx = list(range(next_gpu, next_gpu + spec.tp))
+            next_gpu += spec.tp
+            groups.append((spec.gpu, spec.tp, idx, [spec.share]))
+            placed[i] = tuple(idx)
+    return [(instances[i], placed[i]) for i in range(len(instances))]
+
+
+class Replica:
+    """One engine replica on the virtual clock. ``outstanding``: calls routed, not finished."""
+
+    def __init__(self, name: str, spec: ReplicaSpec, gpus: tuple[int, ...], engine: EngineCore,
+                 ) -> None:
+        self.name = name
+        self.spec = spec
+        self.gpus = gpus
+        self.engine = engine
+        self.peers: list[Replica] = []  # co-located replicas (sharing any GPU)
+        self.outstanding = 0
+        self.stepping = False  # a step is in flight on the virtual clock
+        self.busy_time = 0.0
+        self.steps = 0
+        # a fast-forwarded run of decode steps in flight: (start time, cumulative durations)
+        self.macro: tuple[float, NDArray[np.float64]] | None = None
+        self.version = 0  # bumps when the replica's pending step-end event is superseded
+        self._base = engine.perf
+        self._by_bandwidth: dict[float, PerfModel] = {1.0: engine.perf}
+
+    def apply_contention(self) -> None:
+        """Set the engine's bandwidth share for the step about to start."""
+        if not self.peers:
+            return
+        total = self.spec.share + sum(p.spec.share for p in self.peers if p.engine.has_work())
+        share = min(1.0, round(self.spec.share / total, 2))
+        perf = self._by_bandwidth.get(share)
+        if perf is None:
+            perf = dataclasses.replace(self._base, bandwidth_share=share)
+            self._by_bandwidth[share] = perf
+        self.engine.perf = perf
+
+
+def build_replicas(allocation: Allocation, *, max_num_batched_tokens: int = 8192,
+                   max_num_seqs: int = 256, enable_prefix_caching: bool = True
+                   ) -> list[Replica]:
+    replicas: list[Replica] = []
+    counters: dict[str, int] = {}
+    for spec, gpus in place(allocation):
+        n = counters.get(spec.model, 0)
+        counters[spec.model] = n + 1
+        engine = EngineCore(perf_model(spec.model, spec.gpu, spec.tp, spec.share),
+                            max_num_batched_tokens=max_num_batched_tokens,
+                            max_num_seqs=max_num_seqs,
+                            enable_prefix_caching=enable_prefix_caching)
+        replicas.append(Replica(f"{spec.model}/{n}", spec, gpus, engine))
+    for r in replicas:
+        r.peers = [o for o in replicas if o is not r and set(o.gpus) & set(r.gpus)]
+    return replicas
+
+
+class Router:
+    """Picks a replica of a model for each call."""
+
+    def __init__(self, replicas: Sequence[Replica], policy: RoutingPolicy,
+                 rng: random.Random, affinity_slack: int = 8) -> None:
+        self.policy = policy
+        self.rng = rng
+        self.affinity_slack = affinity_slack
+        self.by_model: dict[str, list[Replica]] = {}
+        for r in replicas:
+            self.by_model.setdefault(r.spec.model, []).append(r)
+
+    def pick(self, model: str, request_key: int) -> Replica:
+        """KeyError if no replica serves ``model``."""
+        pool = self.by_model[model]
+        if len(pool) == 1:
+            return pool[0]
+        if self.policy == "p2c":
+            ra, rb = self.rng.sample(pool, 2)
+            return ra if ra.outstanding <= rb.outstanding else rb
+        least = min(pool, key=lambda r: r.outstanding)
+        if self.policy == "least":
+            return least
+        preferred = pool[request_key % len(pool)]
+        if preferred.outstanding > least.outstanding + self.affinity_slack:
+            return least
+        return preferred

@@ -1,0 +1,199 @@
+"""The discrete-event simulator: workflow control flow, queueing, contention, traces."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from shared.store import StoreReader
+from sim.cluster import Allocation, Router, build_replicas, place
+from sim.des import SimResult, WorkloadSpec, simulate
+from sim.engine import EngineRequest
+from sim.perf import perf_model
+from sim.trace import call_rows, write_trace
+from sim.workflows import BeamParams, FanoutParams, Prompt, RagParams
+
+RAG = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1, 0.3, 1),
+                    ("llama-3-8b", "a6000", 1, 1.0, 1))
+BEAM = Allocation.of(("llama-3.2-1b", "a6000", 1, 0.5, 2), ("llama-3.1-8b-prm", "a6000", 1, 1.0, 2))
+
+
+def by_request(result: SimResult) -> dict[str, list]:  # type: ignore[type-arg]
+    out: dict[str, list] = defaultdict(list)  # type: ignore[type-arg]
+    for c in sorted(result.calls, key=lambda c: c.t_start):
+        out[c.request_id].append(c)
+    return out
+
+
+def test_rag_calls_run_in_sequence_and_light_load_latency_is_their_sum() -> None:
+    res = simulate(RAG, [WorkloadSpec("rag", 0.5)], n_requests=20, seed=3, record_calls=True)
+    assert res.label == "simulated"
+    rag = res.workflows["rag"]
+    assert rag.completed == 20 and rag.failed == 0
+    assert rag.calls_per_request == {"bge-reranker-base": 1.0, "e5-base-v2": 1.0,
+                                     "llama-3-8b": 1.0}
+    for calls in by_request(res).values():
+        assert [c.call.endpoint for c in calls] == ["/v1/embeddings", "/v1/rerank",
+                                                    "/v1/chat/completions"]
+        for a, b in itertools.pairwise(calls):
+            assert b.t_start >= a.t_end
+        assert calls[1].t_start - calls[0].t_end == pytest.approx(0.005)  # local search
+        assert all(c.t_start <= c.t_first <= c.t_end for c in calls)
+    # alone, a chat call is one ~800-token prefill plus 31 decode steps
+    p = perf_model("llama-3-8b", "a6000")
+    alone = p.step_time(855, 0, 0) + 31 * p.step_time(0, 1, 870)
+    assert rag.latency.p50 == pytest.approx(alone + 0.005 + 0.01, rel=0.15)
+
+
+def test_beam_iterations_fan_out_n_generator_then_n_verifier_calls() -> None:
+    res = simulate(BEAM, [WorkloadSpec("beam", 0.2)], n_requests=6, seed=5, record_calls=True)
+    beam = res.workflows["beam"]
+    assert beam.completed == 6
+    gen, ver = beam.calls_per_request["llama-3.2-1b"], beam.calls_per_request["llama-3.1-8b-prm"]
+    assert gen == ver and 4 <= gen <= 160
+    for calls in by_request(res).values():
+        models = [c.call.model for c in calls]
+        assert len(calls) % 8 == 0
+        for it in range(0, len(calls), 8):  # 4 generator calls, then 4 verifier calls
+            assert models[it:it + 4] == ["llama-3.2-1b"] * 4
+            assert models[it + 4:it + 8] == ["llama-3.1-8b-prm"] * 4
+            gens, vers = calls[it:it + 4], calls[it + 4:it + 8]
+            assert max(c.t_start for c in gens) < min(c.t_end for c in gens)  # overlapping
+            assert min(c.t_start for c in vers) >= max(c.t_end for c in gens)
+            assert all(c.call.output_tokens == 1 for c in vers)
+        # verifier prompts grow every iteration and reuse the cached beam prefix
+        ver_lens = [len(c.call.inputs[0]) for c in calls if c.call.model == "llama-3.1-8b-prm"]
+        assert ver_lens[-1] > ver_lens[0]
+    assert all(r.prefix_hit_rate > 0.3 for r in res.replicas)
+
+
+def test_same_seed_same_result_and_fast_forward_changes_nothing_material() -> None:
+    work = [WorkloadSpec("beam", 1.0)]
+    a = simulate(BEAM, work, n_requests=15, seed=11)
+    b = simulate(BEAM, work, n_requests=15, seed=11)
+    c = simulate(BEAM, work, n_requests=15, seed=11, fast_forward=False)
+    assert a.workflows == b.workflows
+    assert a.events < c.events
+    assert a.workflows["beam"].latency.mean == pytest.approx(c.workflows["beam"].latency.mean,
+                                                            rel=0.03)
+    d = simulate(BEAM, work, n_requests=15, seed=12)
+    assert d.workflows != a.workflows
+
+
+def test_overload_saturates_throughput_and_more_replicas_help() -> None:
+    small = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1,
+                                                                0.3, 1), ("llama-3-8b", "a6000", 1, 1.0, 1))
+    big = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1,
+                                                              0.3, 1), ("llama-3-8b", "a6000", 1, 1.0, 4))
+    light = simulate(small, [WorkloadSpec("rag", 2.0)], duration_s=20, warmup_s=5, seed=1)
+    heavy = simulate(small, [WorkloadSpec("rag", 40.0)], duration_s=20, warmup_s=5, seed=1)
+    scaled = simulate(big, [WorkloadSpec("rag", 40.0)], duration_s=20, warmup_s=5, seed=1)
+    assert light.workflows["rag"].throughput == pytest.approx(2.0, rel=0.3)
+    sat = heavy.workflows["rag"].throughput
+    assert sat < 30  # cannot follow the offered 40 req/s
+    assert heavy.workflows["rag"].latency.mean > 3 * light.workflows["rag"].latency.mean
+    assert scaled.workflows["rag"].throughput > 1.1 * sat
+    assert scaled.workflows["rag"].latency.mean < heavy.workflows["rag"].latency.mean
+
+
+def test_fanout_calls_two_models_in_parallel_and_workflows_mix() -> None:
+    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 1), ("llama-3-8b", "a6000", 1, 1.0, 1),
+                          ("e5-base-v2", "a6000", 1, 0.2, 1),
+                          ("bge-reranker-base", "a6000", 1, 0.3, 1))
+    res = simulate(alloc, [WorkloadSpec("fanout", 1.0, FanoutParams(rounds=(2, 2))),
+                           WorkloadSpec("rag", 1.0, name="rag-a")],
+                   n_requests=12, seed=2, record_calls=True)
+    assert set(res.workflows) == {"fanout", "rag-a"}
+    assert res.workflows["fanout"].calls_per_request == {"llama-3-8b": 2.0, "llama-3.2-1b": 2.0}
+    for rid, calls in by_request(res).items():
+        if rid.startswith("fanout"):
+            small, large = calls[0], calls[1]
+            assert {small.call.model, large.call.model} == {"llama-3.2-1b", "llama-3-8b"}
+            assert small.t_start == large.t_start
+
+
+def test_requests_that_cannot_fit_fail_and_unknown_models_are_refused() -> None:
+    too_long = RagParams(passage_tokens=2000)  # 5 passages exceed Llama-3-8B's 8k context
+    res = simulate(RAG, [WorkloadSpec("rag", 1.0, too_long)], n_requests=3, seed=1)
+    assert res.workflows["rag"].failed == 3 and res.workflows["rag"].completed == 0
+    with pytest.raises(ValueError, match="no replica serves"):
+        simulate(RAG, [WorkloadSpec("beam", 1.0)], n_requests=1)
+    with pytest.raises(ValueError, match="BeamParams"):
+        simulate(RAG, [WorkloadSpec("beam", 1.0, too_long)], n_requests=1)
+
+
+def test_placement_packs_shares_and_co_located_replicas_contend() -> None:
+    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 0.5, 2), ("e5-base-v2", "a6000", 1, 0.3, 2),
+                          ("llama-3-8b", "a6000", 2, 1.0, 1))
+    assert alloc.gpus == pytest.approx(1.0 + 0.6 + 2.0)
+    gpus = [g for _, g in place(alloc)]
+    assert gpus[:2] == [(2,), (2,)] and gpus[2:4] == [(3,), (3,)] and gpus[4] == (0, 1)
+    a, b, *_ = build_replicas(alloc)
+    assert b in a.peers
+    a.apply_contention()
+    assert a.engine.perf.bandwidth_share == 1.0
+    b.engine.submit(EngineRequest("x", Prompt(9, 64), 4))
+    a.apply_contention()
+    assert a.engine.perf.bandwidth_share == 0.5
+    assert a.engine.perf.step_time(0, 1, 64) > 1.5 * perf_model("llama-3.2-1b", "a6000",
+                                                               share=0.5).step_time(0, 1, 64) - 0.004
+
+
+def test_router_policies_balance_outstanding_calls() -> None:
+    import random
+
+    replicas = build_replicas(Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 4)))
+    for policy in ("p2c", "least", "affinity"):
+        for r in replicas:
+            r.outstanding = 0
+        router = Router(replicas, policy, random.Random(0))
+        for key in range(400):
+            router.pick("llama-3.2-1b", key % 7 if policy == "affinity" else key).outstanding += 1
+        counts = sorted(r.outstanding for r in replicas)
+        assert counts[-1] - counts[0] <= (30 if policy == "p2c" else 9)
+
+
+def test_prompt_block_hashes_match_for_equal_segment_chains() -> None:
+    root = Prompt(1, 140).extend(77, 30)
+    a, b = root.extend(5, 50), root.extend(6, 50)
+    ha, hb = a.block_hashes(16), b.block_hashes(16)
+    assert ha[:10] == hb[:10] and ha[10] != hb[10]
+    assert Prompt(1, 140).extend(77, 30).extend(5, 50).block_hashes(16) == ha
+    assert len(a) == 220 and len(ha) == 13 and list(a)[139:141] == [a[139], a[140]]
+
+
+def test_trace_rows_go_through_the_store(tmp_path: Path) -> None:
+    res = simulate(RAG, [WorkloadSpec("rag", 1.0)], n_requests=5, seed=4, record_calls=True)
+    rows = call_rows(res)
+    assert len(rows) == 15
+    paths = write_trace(res, tmp_path)
+    assert paths
+    reader = StoreReader(tmp_path)
+    got = reader.calls().fetchall()
+    cols = [d[0] for d in reader.calls().description]
+    assert len(got) == 15
+    rec = [dict(zip(cols, r, strict=True)) for r in got]
+    assert {r["proxy_id"] for r in rec} == {"simulated"}
+    chat = [r for r in rec if r["endpoint"] == "/v1/chat/completions"]
+    body = json.loads(chat[0]["body"])
+    words = body["messages"][0]["content"].split()
+    assert len(words) == chat[0]["prompt_tokens"] and body["max_tokens"] == 32
+    rerank = json.loads(next(r for r in rec if r["endpoint"] == "/v1/rerank")["body"])
+    assert len(rerank["documents"]) == 20 and len(rerank["query"].split()) == 15
+    assert all(r["t_start"] <= r["t_first_byte"] <= r["t_end"] for r in rec)
+    reader.close()
+    with pytest.raises(ValueError, match="record_calls"):
+        write_trace(simulate(RAG, [WorkloadSpec("rag", 1.0)], n_requests=1), tmp_path)
+
+
+def test_beam_params_depth_follows_the_stop_rule() -> None:
+    quick = BeamParams(eos_probability=1.0)  # every beam ends at its first step
+    res = simulate(BEAM, [WorkloadSpec("beam", 1.0, quick)], n_requests=3, seed=1)
+    assert res.workflows["beam"].calls_per_request["llama-3.2-1b"] == 4.0
+    capped = BeamParams(eos_probability=0.0, max_iterations=3)
+    res = simulate(BEAM, [WorkloadSpec("beam", 1.0, capped)], n_requests=3, seed=1)
+    assert res.workflows["beam"].calls_per_request["llama-3.2-1b"] == 12.0
