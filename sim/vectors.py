@@ -54,19 +54,25 @@ def _direction(feature: str, dim: int, seed: int) -> Vector:
     return rng.standard_normal(dim).astype(np.float32)
 
 
+@lru_cache(maxsize=8192)
 def embed(text: str, dim: int, *, seed: int = 0) -> Vector:
-    """A unit vector for text; similar texts get nearby vectors."""
-    vec = np.zeros(dim, dtype=np.float32)
-    # Sub-linear term frequency, as in TF-IDF practice, so repeated words do not dominate.
-    for feat, weight in features(text).items():
-        vec += np.float32(1.0 + math.log(weight) if weight >= 1 else weight) * _direction(
-            feat, dim, seed
-        )
+    """A unit vector for text; similar texts get nearby vectors. Cached (RAG asks about the
+    same passages again and again), so the result is read-only."""
+    feats = features(text)
+    if feats:
+        # Sub-linear term frequency, as in TF-IDF practice, so repeated words do not dominate.
+        weights = np.fromiter((1.0 + math.log(w) if w >= 1 else w for w in feats.values()),
+                              dtype=np.float32, count=len(feats))
+        vec = weights @ np.stack([_direction(f, dim, seed) for f in feats])
+    else:
+        vec = np.zeros(dim, dtype=np.float32)
     norm = float(np.linalg.norm(vec))
     if norm == 0.0:
         vec = _direction(f"\x00empty:{text}", dim, seed)
         norm = float(np.linalg.norm(vec))
-    return vec / np.float32(norm)
+    out: Vector = (vec / np.float32(norm)).astype(np.float32)
+    out.setflags(write=False)
+    return out
 
 
 def embed_many(texts: Sequence[str], dim: int, *, seed: int = 0) -> list[Vector]:
