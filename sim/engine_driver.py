@@ -201,14 +201,6 @@ class EngineDriver:
             prev_end = end
             self._deliver(outcome, end)
 
-    def _cached_tokens(self, ticket: Ticket) -> int:
-        """Prompt tokens the core found in its prefix cache for this request, if it still
-        knows (a request that finished within its admission step is forgotten: 0)."""
-        recorded = getattr(ticket.request, "cached_tokens", None)
-        if isinstance(recorded, int):
-            return recorded
-        return int(self.core.cached_tokens(ticket.rid))
-
     def _deliver(self, outcome: StepOutcome, now: float) -> None:
         self.preemptions_total += len(outcome.preempted)
         first = set(outcome.first_token)
@@ -230,7 +222,7 @@ class EngineDriver:
             if is_first:
                 ticket.first_at = now
                 if ticket.on_cached is not None:
-                    ticket.on_cached(self._cached_tokens(ticket))
+                    ticket.on_cached(outcome.cached_tokens.get(rid, 0))
             if done:
                 ticket.emitted = ticket.output_tokens
                 ticket.finished_at = now

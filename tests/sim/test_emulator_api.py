@@ -272,3 +272,17 @@ async def test_score_and_pooling(reranker: RunningEmulator, gen: RunningEmulator
                                                       "input": "step one"}) as r:
             pooled = (await r.json())["data"][0]["data"]
         assert len(pooled) == 2 and sum(pooled) == pytest.approx(1.0)
+
+
+async def test_usage_reports_prefix_cache_hits(gen: RunningEmulator) -> None:
+    c = client(gen)
+    long_context: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You solve problems. " * 60}, *QUESTION]
+    first = await c.chat.completions.create(model="llama-3.2-1b", messages=long_context,
+                                            max_tokens=2, seed=1)
+    again = await c.chat.completions.create(model="llama-3.2-1b", messages=long_context,
+                                            max_tokens=2, seed=2)
+    assert first.usage is not None and again.usage is not None
+    assert again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens or 0
+    assert 0 < cached < again.usage.prompt_tokens  # all but the last block came from the cache
