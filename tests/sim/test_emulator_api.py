@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from sim.emulator import DRIVER_TASK
 from sim.emulator_server import RunningEmulator, serving
 from sim.serving import EmulatorConfig
 
@@ -286,3 +288,27 @@ async def test_usage_reports_prefix_cache_hits(gen: RunningEmulator) -> None:
     assert again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens or 0
     assert 0 < cached < again.usage.prompt_tokens  # all but the last block came from the cache
+
+
+async def test_client_gone_mid_stream_aborts_in_the_core() -> None:
+    async with serving(EmulatorConfig(model="llama-3.2-1b", speedup=5.0)) as slow:
+        body = {"model": "llama-3.2-1b", "messages": QUESTION, "max_tokens": 5000,
+                "stream": True, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{slow.base_url}/chat/completions", json=body) as r:
+                await r.content.readline()  # the role event: the request is in the core
+                assert slow.engine.driver.core.has_work()
+        for _ in range(100):  # the closed connection reaches the handler within a few steps
+            if not slow.engine.driver.core.has_work():
+                break
+            await asyncio.sleep(0.01)
+        assert not slow.engine.driver.core.has_work() and not slow.engine.driver.tickets
+
+
+async def test_health_is_503_once_the_driver_died(gen: RunningEmulator) -> None:
+    task = gen.app[DRIVER_TASK]
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    async with aiohttp.ClientSession() as s, s.get(f"{gen.url}/health") as r:
+        assert r.status == 503
