@@ -67,7 +67,7 @@ class Call:
     include_usage: bool
 
 
-def _prompts(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> list[str]:
+def _prompts(body: Mapping[str, Any], chat: bool) -> list[str]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -96,7 +96,7 @@ def _prompts(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> lis
 def parse_call(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> Call:
     """Check a request and plan its choices (no engine work yet)."""
     engine.check_kind("generate", route="chat/completions" if chat else "completions")
-    texts = _prompts(engine, body, chat)
+    texts = _prompts(body, chat)
     n = get_int(body, "n", 1, lo=1, hi=128) or 1
     if chat:
         wants = bool(body.get("logprobs", False))
@@ -114,7 +114,7 @@ def parse_call(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> C
     choices: list[Generation] = []
     for text, ids in zip(texts, prompts, strict=True):
         count = len(ids)
-        max_tokens = asked if asked is not None else engine.spec.max_context - count
+        max_tokens = asked if asked is not None else max(1, engine.spec.max_context - count)
         engine.check_context(count, max_tokens)
         req = GenerationRequest(
             prompt=text, max_tokens=max_tokens, stop=stops, sampling_key=key,
@@ -138,14 +138,13 @@ def _verdict(engine: EmulatedEngine, prompt: str) -> Generation:
     p_plus = prm_probability(prompt, seed=engine.config.seed)
     token = "+" if p_plus >= 0.5 else "-"
     lp = math.log(0.98 * (p_plus if token == "+" else 1 - p_plus))
-    return Generation((token,), (token,), token, "length", None, (lp,))
+    return Generation((token,), (token,), token, "length", None, (lp,), verdict=p_plus)
 
 
 def _top(call: Call, gen: Generation, pos: int) -> list[tuple[str, float]]:
     k = call.top_logprobs or 0
-    if gen.tokens in (("+",), ("-",)) and gen.finish_reason == "length" and pos == 0:
-        p_plus = math.exp(gen.logprobs[0]) / 0.98
-        return prm_top_logprobs(p_plus if gen.tokens[0] == "+" else 1 - p_plus, k)
+    if gen.verdict is not None:
+        return prm_top_logprobs(gen.verdict, k)
     return alternatives(gen.tokens[pos], gen.logprobs[pos], k, digest(gen.logprobs[pos], pos))
 
 

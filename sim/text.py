@@ -76,10 +76,6 @@ def token_ids(text: str) -> list[int]:
     return list(map(_piece_id, _PIECE.findall(text)))
 
 
-def count_tokens(text: str) -> int:
-    return len(pieces(text))
-
-
 def content_text(content: Any) -> str:
     """A chat message's content as text: a string, or the text parts of a content list."""
     if content is None:
@@ -141,6 +137,7 @@ class Generation:
     finish_reason: str  # "stop" | "length"
     stop_reason: str | None  # the stop string matched, None for end-of-sequence or length
     logprobs: tuple[float, ...]  # logprob of each emitted token
+    verdict: float | None = None  # P("+") when this is a process-reward verdict ("+" or "-")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -73,10 +72,6 @@ def embed(text: str, dim: int, *, seed: int = 0) -> Vector:
     out: Vector = (vec / np.float32(norm)).astype(np.float32)
     out.setflags(write=False)
     return out
-
-
-def embed_many(texts: Sequence[str], dim: int, *, seed: int = 0) -> list[Vector]:
-    return [embed(t, dim, seed=seed) for t in texts]
 
 
 def relevance(query: str, document: str, *, seed: int = 0, dim: int = 256) -> float:
