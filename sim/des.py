@@ -23,13 +23,14 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from sim.cluster import Allocation, Replica, Router, RoutingPolicy, build_replicas
 from sim.engine import EngineRequest, StepOutcome
+from sim.results import LatencyStats, ReplicaResult, SimCall, SimResult, WorkflowResult
 from sim.workflows import (
     BeamParams,
     Call,
@@ -74,80 +75,6 @@ class WorkloadSpec:
         if not isinstance(params, expected):
             raise ValueError(f"{self.label}: params must be {expected.__name__}")
         return params
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-
-    @staticmethod
-    def of(values: Sequence[float]) -> LatencyStats:
-        if not values:
-            return LatencyStats(math.nan, math.nan, math.nan, math.nan)
-        a = np.asarray(values)
-        p50, p90, p99 = np.percentile(a, [50, 90, 99])
-        return LatencyStats(float(a.mean()), float(p50), float(p90), float(p99))
-
-
-@dataclass(frozen=True)
-class WorkflowResult:
-    name: str
-    offered_rate: float
-    started: int  # measured requests (arrived in the measurement window)
-    completed: int
-    failed: int
-    throughput: float  # measured completions per second of the window
-    latency: LatencyStats  # seconds, over completed measured requests
-    calls_per_request: dict[str, float]  # per model: mean calls per completed request (n_m)
-
-
-@dataclass(frozen=True)
-class ReplicaResult:
-    name: str
-    model: str
-    gpus: tuple[int, ...]
-    share: float
-    utilisation: float  # fraction of simulated time spent in steps
-    steps: int
-    preemptions: int
-    prefix_hit_rate: float
-
-
-@dataclass(frozen=True)
-class SimCall:
-    """One simulated call, for traces (times in simulated seconds)."""
-
-    call_id: int
-    workflow: str
-    request_id: str
-    call: Call
-    replica: str
-    t_start: float
-    t_first: float
-    t_end: float
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class SimResult:
-    label: str
-    seed: int
-    simulated_s: float
-    wall_s: float
-    events: int
-    window_s: tuple[float, float]
-    workflows: dict[str, WorkflowResult]
-    replicas: tuple[ReplicaResult, ...]
-    calls: tuple[SimCall, ...] = ()
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready figures (without the call trace)."""
-        out = asdict(self)
-        out.pop("calls")
-        return out
 
 
 @dataclass
@@ -265,7 +192,7 @@ class _Simulation:
         k = engine.decode_run_length() if self.fast_forward else 0
         if k >= _MIN_RUN:
             # identical decode steps with no event inside: one heap event for all of them
-            ends = np.cumsum(engine.decode_run_times(k))
+            ends = engine.decode_run_times(k).cumsum()
             replica.macro = (self.now, ends)
             replica.version += 1
             replica.stepping = True
@@ -288,7 +215,7 @@ class _Simulation:
         if replica.macro is None:
             return
         start, ends = replica.macro
-        keep = int(np.searchsorted(ends, self.now - start, side="right")) + 1
+        keep = int(ends.searchsorted(self.now - start, side="right")) + 1
         if keep >= len(ends):
             return
         replica.busy_time -= float(ends[-1] - ends[keep - 1])

@@ -240,8 +240,12 @@ class EngineCore:
     # --- blocks --------------------------------------------------------------------------
     def _release(self, seq: _Seq) -> None:
         pool = self._pool
+        refs, lru = pool.refs, pool.lru
         for h in reversed(seq.held):  # tail blocks enter the LRU first, so go first
-            pool.unref(h)
+            count = refs[h] - 1  # pool.unref, inlined: this is the simulator's hot loop
+            refs[h] = count
+            if count == 0:
+                lru[h] = None
         pool.free += seq.private
         seq.held = []
         seq.private = 0
@@ -311,6 +315,7 @@ class EngineCore:
         lru = pool.lru
         prefill = decode = context = 0
         done: list[_Seq] = []  # finished: their blocks are freed after the step, as in vLLM
+        emitted = out.emitted
         running = self._running
         i = 0
         while i < len(running) and budget > 0:
@@ -329,14 +334,23 @@ class EngineCore:
                 pool.take(need)
                 seq.private += need
                 seq.nblocks += need
-            if pending == 1 and seq.generated > 0:
-                decode += 1
-                context += computed
-            else:
-                prefill += n
             budget -= n
             i += 1
-            self._account(seq, n, out, done)
+            if pending == 1 and seq.generated > 0:  # a decode step: _account's fast path
+                decode += 1
+                context += computed
+                seq.computed = computed + 1
+                generated = seq.generated
+                wanted = seq.req.output_tokens
+                if generated < wanted:
+                    seq.generated = generated = generated + 1
+                    emitted.append((seq.req.rid, 1))
+                if generated >= wanted:
+                    out.finished.append(seq.req.rid)
+                    done.append(seq)
+            else:
+                prefill += n
+                self._account(seq, n, out, done)
         waiting = self._waiting
         while (waiting and budget > 0 and len(running) < self.max_num_seqs
                and not out.preempted):

@@ -99,25 +99,34 @@ class Prompt(Sequence[int]):
         (key, offset, length) pieces, so equal segment chains give equal hashes."""
         if self._hashes is not None and self._hashes[0] == block_size:
             return self._hashes[1]
-        if self.parent is not None:
-            hashes = self.parent.block_hashes(block_size)[: self.parent.total // block_size]
-        else:
-            hashes = []
+        parent = self.parent
+        hashes = parent.block_hashes(block_size)[: parent.total // block_size] if parent else []
         full = self.total // block_size
         if full > len(hashes):
-            segs = self.segments()
-            starts = np.cumsum([0] + [n for _, n in segs])
+            lo0 = len(hashes) * block_size
+            # the segments covering [lo0, total), as (key, start, length), walking up the chain
+            tail: list[tuple[int, int, int]] = []
+            node: Prompt | None = self
+            end = self.total
+            while node is not None and end > lo0:
+                tail.append((node.key, end - node.length, node.length))
+                end -= node.length
+                node = node.parent
+            tail.reverse()
             prev = hashes[-1] if hashes else 0
+            s = 0
             for j in range(len(hashes), full):
                 lo, hi = j * block_size, (j + 1) * block_size
-                first = int(np.searchsorted(starts, lo, side="right")) - 1
-                pieces = []
-                s = first
-                while s < len(segs) and starts[s] < hi:
-                    a, b = max(lo, int(starts[s])), min(hi, int(starts[s + 1]))
-                    if b > a:
-                        pieces.append((segs[s][0], a - int(starts[s]), b - a))
+                while tail[s][1] + tail[s][2] <= lo:
                     s += 1
+                pieces = []
+                t = s
+                while t < len(tail) and tail[t][1] < hi:
+                    key, start, length = tail[t]
+                    a, b = max(lo, start), min(hi, start + length)
+                    if b > a:
+                        pieces.append((key, a - start, b - a))
+                    t += 1
                 prev = hash((prev, tuple(pieces)))
                 hashes.append(prev)
         self._hashes = (block_size, hashes)
