@@ -135,18 +135,6 @@ class _BlockPool:
             victim, _ = self.lru.popitem(last=False)
             del self.refs[victim]
 
-    def ref(self, h: int) -> None:
-        count = self.refs[h]
-        if count == 0:
-            del self.lru[h]
-        self.refs[h] = count + 1
-
-    def unref(self, h: int) -> None:
-        count = self.refs[h] - 1
-        self.refs[h] = count
-        if count == 0:
-            self.lru[h] = None
-
     def register(self, h: int) -> bool:
         """Turn one private block into a cached one under ``h``; False if ``h`` is taken."""
         if h in self.refs:
@@ -242,7 +230,7 @@ class EngineCore:
         pool = self._pool
         refs, lru = pool.refs, pool.lru
         for h in reversed(seq.held):  # tail blocks enter the LRU first, so go first
-            count = refs[h] - 1  # pool.unref, inlined: this is the simulator's hot loop
+            count = refs[h] - 1
             refs[h] = count
             if count == 0:
                 lru[h] = None

@@ -177,3 +177,49 @@ def test_chain_hashes_depend_on_the_whole_prefix() -> None:
     b = chain_block_hashes(tokens(2, 16) + tokens(1, 64)[16:], 16)
     assert len(a) == 4 and a[1:] != b[1:]
     assert chain_block_hashes([*tokens(1, 64), 5], 16) == a
+
+
+def test_decode_run_fast_forward_matches_step_by_step() -> None:
+    def fresh() -> EngineCore:
+        engine = EngineCore(perf_model("llama-3.2-1b", "a6000"))
+        for i in range(5):
+            engine.submit(EngineRequest(f"r{i}", tokens(i, 40 + 10 * i), 30 + i))
+        engine.step()  # the prefill step
+        return engine
+
+    fast, slow = fresh(), fresh()
+    k = fast.decode_run_length()
+    assert k == 28  # the shortest request's last token finishes the run: 30 - 1 - 1
+    total = float(fast.decode_run_times(k).sum())
+    fast.advance_decode(k)
+    assert total == pytest.approx(sum(slow.step().duration for _ in range(k)))
+    assert fast.generation_tokens_total == slow.generation_tokens_total
+    assert fast.kv_usage == slow.kv_usage
+    assert run(fast)[0] == pytest.approx(run(slow)[0])
+    assert fast.decode_run_length() == 0  # nothing running
+
+
+def test_block_accounting_holds_under_random_shared_prefix_load() -> None:
+    import random
+
+    rnd = random.Random(7)
+    engine = EngineCore(tiny_gpu(48 * 16))
+    prefixes = [tokens(100 + p, 16 * rnd.randint(1, 6)) for p in range(3)]
+    submitted = finished = 0
+    for step in range(3000):
+        if step % 3 == 0 and submitted < 150:
+            prompt = rnd.choice(prefixes) + tokens(submitted, rnd.randint(1, 60))
+            engine.submit(EngineRequest(f"q{submitted}", prompt, rnd.randint(0, 80)))
+            submitted += 1
+        out = engine.step()
+        finished += len(out.finished)
+        pool = engine._pool
+        shared = sum(1 for count in pool.refs.values() if count > 0)
+        used = shared + sum(s.private for s in engine._running)
+        assert used == round(engine.kv_usage * engine.num_blocks)
+        assert pool.free + len(pool.lru) + used == engine.num_blocks
+        assert all(s.nblocks == len(s.held) + s.private for s in engine._running)
+        if submitted == 150 and not engine.has_work():
+            break
+    assert finished == 150
+    assert engine.prefix_cache_hits > 0 and engine.preemptions_total > 0
