@@ -51,14 +51,14 @@ class FakeEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self, port: int = 0) -> FakeEngine:
+    async def start(self, port: int = 0, backlog: int = 128) -> FakeEngine:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/{tail:.*}", self._post)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True)
+        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True, backlog=backlog)
         await site.start()
         server = site._server
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

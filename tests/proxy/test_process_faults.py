@@ -10,13 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,69 +26,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from shared.records import COLUMNS
 from shared.store import SegmentWriter, StoreReader, segment_dir
 from tests.proxy.conftest import EngineFactory
+from tests.proxy.proxy_process import REPO, proxy_process
 
-REPO = Path(__file__).resolve().parents[2]
 MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class ProxyProcess:
-    proc: asyncio.subprocess.Process
-    url: str
-    store: Path
-    log: Path
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    async def exit_code(self, limit_s: float) -> int:
-        try:
-            return await asyncio.wait_for(self.proc.wait(), limit_s)
-        except TimeoutError:
-            raise AssertionError(
-                f"proxy still running after {limit_s}s:\n{self.stderr()}"
-            ) from None
-
-
-@asynccontextmanager
-async def proxy_process(
-    tmp_path: Path, upstream: str, settings: dict[str, Any]
-) -> AsyncIterator[ProxyProcess]:
-    """``python -m proxy.cli`` on a free port with ``settings`` as its --config file."""
-    store = tmp_path / "store"
-    config = tmp_path / "proxy.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    port = _free_port()
-    args = ["--config", str(config), "--listen", f"127.0.0.1:{port}"]
-    args += ["--upstream", f"m={upstream}", "--store", str(store), "--workflow", "wf"]
-    log = tmp_path / "proxy.log"
-    with log.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            *args,
-            cwd=REPO,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
-    handle = ProxyProcess(proc, f"http://127.0.0.1:{port}", store, log)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        assert b"listening on" in line, f"{line!r}\n{handle.stderr()}"
-        yield handle
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
