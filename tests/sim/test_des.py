@@ -89,9 +89,9 @@ def test_overload_saturates_throughput_and_more_replicas_help() -> None:
                                                                 0.3, 1), ("llama-3-8b", "a6000", 1, 1.0, 1))
     big = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1,
                                                               0.3, 1), ("llama-3-8b", "a6000", 1, 1.0, 4))
-    light = simulate(small, [WorkloadSpec("rag", 2.0)], duration_s=20, warmup_s=5, seed=1)
-    heavy = simulate(small, [WorkloadSpec("rag", 40.0)], duration_s=20, warmup_s=5, seed=1)
-    scaled = simulate(big, [WorkloadSpec("rag", 40.0)], duration_s=20, warmup_s=5, seed=1)
+    light = simulate(small, [WorkloadSpec("rag", 2.0)], duration_s=12, warmup_s=3, seed=1)
+    heavy = simulate(small, [WorkloadSpec("rag", 40.0)], duration_s=12, warmup_s=3, seed=1)
+    scaled = simulate(big, [WorkloadSpec("rag", 40.0)], duration_s=12, warmup_s=3, seed=1)
     assert light.workflows["rag"].throughput == pytest.approx(2.0, rel=0.3)
     sat = heavy.workflows["rag"].throughput
     assert sat < 30  # cannot follow the offered 40 req/s
