@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of generated text and vectors (0)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in `model` (default: --model)")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on /v1 routes, as vLLM's --api-key")
     p.add_argument("--step-median-tokens", type=float, default=60.0,
                    help="median tokens per generation step before its stop string "
                         "(assumption, default 60)")
@@ -56,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> EmulatorConfig:
     return EmulatorConfig(
         model=args.model, gpu=args.gpu, tp=args.tp, share=args.share, speedup=args.speedup,
-        seed=args.seed, served_model_name=args.served_model_name,
+        seed=args.seed, served_model_name=args.served_model_name, api_key=args.api_key,
         lengths=LengthModel(args.step_median_tokens, args.step_sigma, args.eos_probability),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )

@@ -73,6 +73,16 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                         type_="InternalServerError").response()
 
 
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """vLLM's --api-key: only the /v1 routes ask for the bearer token."""
+    key = request.app[ENGINE].config.api_key
+    if key is not None and request.path.startswith("/v1/"):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise ApiError("Unauthorized", status=401, type_="AuthenticationError")
+    return await handler(request)
+
+
 async def _mark_emulated(request: web.Request, response: web.StreamResponse) -> None:
     response.headers[EMULATED_HEADER] = "1"
 
@@ -110,7 +120,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def make_app(config: EmulatorConfig) -> web.Application:
     """The emulator app for one model (build_engine's ValueError on a bad model or GPU)."""
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=64 * 1024 * 1024)
     app[ENGINE] = build_engine(config)
     app.cleanup_ctx.append(_run_driver)
     app.on_response_prepare.append(_mark_emulated)

@@ -42,6 +42,7 @@ class EmulatorConfig:
     speedup: float = 1.0
     seed: int = 0
     served_model_name: str | None = None
+    api_key: str | None = None  # as vLLM's --api-key: /v1 routes then need this bearer token
     lengths: LengthModel = field(default_factory=LengthModel)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import json
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -132,3 +135,31 @@ async def test_load_counts_failures(cluster: Cluster) -> None:
     w = report["workflows"]["rag"]
     assert w["completed"] == 0 and w["failed"] == w["started"] >= 1
     assert w["failures"] == {"NotFoundError": w["started"]} and w["latency_s"] == {}
+
+
+async def _cli(module: str, cluster: Cluster, *extra: str) -> dict[str, object]:
+    argv = [sys.executable, "-m", module, "--base-url", "http://127.0.0.1:9/v1", *extra]
+    for model, server in cluster.servers.items():
+        argv += ["--model-url", f"{model}={server.base_url}"]
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=40)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+@pytest.mark.slow  # two interpreter start-ups (openai, numpy): ~3-6 s
+async def test_examples_run_once_from_the_command_line(cluster: Cluster) -> None:
+    beam, rag = await asyncio.gather(
+        _cli("examples.beam_search", cluster, "--iterations", "3", "--n", "4"),
+        _cli("examples.rag_rerank", cluster, "--passages", "60"))
+    assert beam["generator_calls"] == beam["verifier_calls"] == 4 * int(str(beam["iterations"]))
+    assert rag["answer"] and len(rag["passages"]) == 5  # type: ignore[arg-type]
+    workflows = {s.workflow for s in cluster.seen}
+    assert {"beam", "rag", "rag-index"} <= workflows

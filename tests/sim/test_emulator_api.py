@@ -312,3 +312,13 @@ async def test_health_is_503_once_the_driver_died(gen: RunningEmulator) -> None:
         await task
     async with aiohttp.ClientSession() as s, s.get(f"{gen.url}/health") as r:
         assert r.status == 503
+
+
+async def test_api_key_guards_v1_routes_only() -> None:
+    async with serving(EmulatorConfig(model="e5-base-v2", speedup=FAST, api_key="k")) as srv:
+        with pytest.raises(openai.AuthenticationError):
+            await client(srv).embeddings.create(model="e5-base-v2", input="hi")
+        good = openai.AsyncOpenAI(base_url=srv.base_url, api_key="k", max_retries=0)
+        assert (await good.embeddings.create(model="e5-base-v2", input="hi")).data
+        async with aiohttp.ClientSession() as s, s.get(f"{srv.url}/health") as r:
+            assert r.status == 200
