@@ -1,0 +1,300 @@
+"""Benchmark: Aggregate LLM Pipeline predictions against the discrete-event simulator.
+
+``python -m bench.alp_accuracy --out DIR [--quick]`` writes ``DIR/alp_accuracy.json``. All
+measured figures are *simulated* (``sim.des``, the same engine model for profiles and runs).
+
+Per workflow (beam search, RAG, a fan-out across two different LLMs):
+1. trace: simulate a light load with generous replicas, write the calls as call records into a
+   temporary store (``shared.store.SegmentWriter``) and summarise them with
+   ``optimizer.stats`` — the production path;
+2. profile by simulation (``bench.sim_profile``): per model and (TP, share) used below, sweep
+   the workflow's rate with that model on one replica and every other model over-provisioned,
+   from light load until the model's achieved call throughput stops following the offered
+   rate, then refine near saturation;
+3. for each allocation, predict ``T_w`` and the mean latency at 20%..90% of ``T_w`` with
+   ``optimizer.alp``, simulate the same rates, and simulate 1.5 x ``T_w`` to measure the
+   maximum throughput.
+
+Errors are relative to the simulation. Summary per workflow: ``throughput_error_max`` and
+``latency_error_max`` (latency over points at <= 80% of predicted capacity). Targets: 10% and
+15%. Simulations run in a process pool (one worker per CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.sim_profile import REFINE, Case, ProfileJob, calls_to_rows, run_profile
+from optimizer.alp import ModelAlloc, Pipeline, predict
+from optimizer.profiles import ProfileBook
+from optimizer.stats import WorkflowStats, summarise_store
+from shared.store import SegmentWriter
+from sim.cluster import Allocation, ReplicaSpec
+from sim.des import WorkloadSpec, simulate
+from sim.workflows import BeamParams, FanoutParams, RagParams
+
+GPU = "a6000"
+LATENCY_LOAD_MAX = 0.8
+# Max throughput: the best completion rate, capped at the offered rate, of runs around the
+# predicted capacity. Deep overload is avoided: the simulated engines' throughput collapses
+# there (new prefills crowd out decodes), which would read far below the capacity.
+OVERLOADS = (0.9, 1.0, 1.1)
+TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
+
+# model -> (replicas, tp, share)
+Alloc = dict[str, tuple[int, int, float]]
+
+BEAM = ("llama-3.2-1b", "llama-3.1-8b-prm")
+RAG = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
+FAN = ("llama-3.2-1b", "llama-3-8b")
+
+
+def _cases() -> list[Case]:
+    return [
+        Case("beam", BeamParams(), GPU, trace_rate=0.05, trace_requests=150, eval_requests=80,
+             profile_calls=3000,
+             allocations=[
+                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 1, 1.0)},
+                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (2, 1, 1.0)},
+                 {BEAM[0]: (2, 1, 1.0), BEAM[1]: (1, 1, 1.0)},
+                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (3, 1, 1.0)},
+                 {BEAM[0]: (2, 1, 1.0), BEAM[1]: (2, 1, 1.0)},
+                 {BEAM[0]: (1, 1, 0.5), BEAM[1]: (1, 1, 1.0)},
+                 {BEAM[0]: (2, 1, 0.5), BEAM[1]: (2, 1, 1.0)},
+                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 2, 1.0)},
+                 {BEAM[0]: (2, 1, 1.0), BEAM[1]: (1, 2, 1.0)},
+                 {BEAM[0]: (1, 1, 0.5), BEAM[1]: (2, 2, 1.0)},
+             ]),
+        Case("rag", RagParams(), GPU, trace_rate=0.5, trace_requests=300, eval_requests=300,
+             allocations=[
+                 {RAG[0]: (1, 1, 1.0), RAG[1]: (1, 1, 1.0), RAG[2]: (1, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (1, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (2, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (2, 1, 1.0)},
+                 {RAG[0]: (1, 1, 1.0), RAG[1]: (2, 1, 1.0), RAG[2]: (3, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (1, 2, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (2, 1, 0.5), RAG[2]: (2, 2, 1.0)},
+                 {RAG[0]: (2, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (3, 1, 1.0)},
+                 {RAG[0]: (1, 1, 1.0), RAG[1]: (1, 1, 0.5), RAG[2]: (4, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (2, 1, 1.0), RAG[2]: (1, 1, 1.0)},
+             ]),
+        Case("fanout", FanoutParams(models=FAN), GPU, trace_rate=0.2, trace_requests=300,
+             eval_requests=200,
+             allocations=[
+                 {FAN[0]: (1, 1, 1.0), FAN[1]: (1, 1, 1.0)},
+                 {FAN[0]: (1, 1, 1.0), FAN[1]: (2, 1, 1.0)},
+                 {FAN[0]: (1, 1, 0.5), FAN[1]: (1, 1, 1.0)},
+                 {FAN[0]: (1, 1, 0.5), FAN[1]: (2, 1, 1.0)},
+                 {FAN[0]: (2, 1, 1.0), FAN[1]: (1, 1, 1.0)},
+                 {FAN[0]: (1, 1, 1.0), FAN[1]: (3, 1, 1.0)},
+                 {FAN[0]: (1, 1, 1.0), FAN[1]: (1, 2, 1.0)},
+                 {FAN[0]: (1, 1, 0.5), FAN[1]: (1, 2, 1.0)},
+                 {FAN[0]: (2, 1, 0.5), FAN[1]: (2, 2, 1.0)},
+                 {FAN[0]: (1, 1, 0.5), FAN[1]: (3, 1, 1.0)},
+             ]),
+    ]
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    case: Case
+    alloc_index: int
+    fraction: float  # of predicted capacity
+    kind: str  # "latency" | "throughput"
+    rate: float
+    seed: int
+    settle_s: float  # a few light-load request latencies: the pipeline's fill time
+
+
+def _sim_allocation(case: Case, alloc: Alloc) -> Allocation:
+    return Allocation(tuple(ReplicaSpec(m, case.gpu, tp, share, d)
+                            for m, (d, tp, share) in alloc.items()))
+
+
+def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
+    """Stats of a light-load run, and per model the calls/s one busy-second serves (a first
+    guess of capacity that ignores batching, so it errs low)."""
+    generous = {m: (2, 1, 1.0) for m in case.allocations[0]}
+    result = simulate(_sim_allocation(case, generous),
+                      [WorkloadSpec(case.workflow, case.trace_rate, case.params)],  # type: ignore[arg-type]
+                      n_requests=case.trace_requests, record_calls=True, seed=11)
+    store = Path(tempfile.mkdtemp(prefix=f"scepsy-alp-{case.workflow}-"))
+    try:
+        writer = SegmentWriter(store, "sim")
+        writer.write(calls_to_rows(result.calls))
+        writer.close()
+        stats = summarise_store(store)[case.workflow]
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    sim = result.workflows[case.workflow]
+    busy: dict[str, float] = {}
+    for r in result.replicas:
+        busy[r.model] = busy.get(r.model, 0.0) + r.utilisation * result.simulated_s
+    per_busy_s = {m: sum(1 for c in result.calls if c.call.model == m) / max(b, 1e-9)
+                  for m, b in busy.items()}
+    return stats, {"requests": sim.completed, "latency_mean_s": sim.latency.mean,
+                   "calls_per_busy_s": per_busy_s}
+
+
+def _evaluate(job: EvalJob) -> dict[str, Any]:
+    case = job.case
+    alloc = case.allocations[job.alloc_index]
+    spec = [WorkloadSpec(case.workflow, job.rate, case.params)]  # type: ignore[arg-type]
+    if job.kind == "throughput":  # completions per second near capacity
+        # Count completions only once the pipeline has filled, over a window several
+        # request latencies long; a window shorter than that reads far below capacity.
+        warmup = job.settle_s
+        duration = warmup + max(case.eval_requests / job.rate, 3.0 * job.settle_s)
+        res = simulate(_sim_allocation(case, alloc), spec, duration_s=duration,
+                       warmup_s=warmup, drain_s=0.0, seed=job.seed)
+        achieved = min(res.workflows[case.workflow].throughput, job.rate)
+        return {"throughput": achieved, "wall_s": res.wall_s}
+    n = case.eval_requests
+    res = simulate(_sim_allocation(case, alloc), spec, n_requests=n,
+                   warmup_s=0.1 * n / job.rate, seed=job.seed)
+    wf = res.workflows[case.workflow]
+    return {"latency_mean": wf.latency.mean, "completed": wf.completed, "failed": wf.failed,
+            "wall_s": res.wall_s}
+
+
+def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
+                  quick: bool) -> list[ProfileJob]:
+    keys = sorted({(m, tp, share) for alloc in case.allocations
+                   for m, (_, tp, share) in alloc.items()})
+    target = case.profile_calls // 2 if quick else case.profile_calls
+    return [ProfileJob(case, model, tp, share, n_per_request=stats.models[model].n,
+                       target_calls=target, refine=(0.5, 0.8, 0.9) if quick else REFINE,
+                       start_rate=0.5 * share * trace["calls_per_busy_s"][model])
+            for model, tp, share in keys]
+
+
+def _alloc_doc(allocation: dict[str, ModelAlloc]) -> dict[str, dict[str, float]]:
+    return {m: {"replicas": a.replicas, "tp": a.tp, "share": a.share}
+            for m, a in allocation.items()}
+
+
+def _err(pred: float, sim: float) -> float:
+    return abs(pred - sim) / sim if sim > 0 else float("inf")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quick", action="store_true", help="4 allocations, 3 rates each")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    cases = _cases()
+    fractions = (0.3, 0.6, 0.8) if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
+    if args.quick:
+        cases = [replace(c, trace_requests=c.trace_requests // 2,
+                         eval_requests=c.eval_requests // 2, allocations=c.allocations[:4])
+                 for c in cases]
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        traced = list(pool.map(_trace, cases))
+        phase_s = {"trace": time.perf_counter() - started}
+        jobs = [job for case, (stats, info) in zip(cases, traced, strict=True)
+                for job in _profile_jobs(case, stats, info, args.quick)]
+        # Longest first, so the pool does not end on one long job.
+        order = sorted(range(len(jobs)), key=lambda j: -jobs[j].case.profile_calls)
+        done = dict(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
+        profiled = [done[j] for j in range(len(jobs))]
+        books = {c.workflow: ProfileBook(p for job, pts in zip(jobs, profiled, strict=True)
+                                         if job.case.workflow == c.workflow for p in pts)
+                 for c in cases}
+        pipes = {c.workflow: Pipeline.from_stats(s) for c, (s, _) in zip(cases, traced,
+                                                                         strict=True)}
+        settle = {c.workflow: info["latency_mean_s"] for c, (_, info) in zip(cases, traced,
+                                                                             strict=True)}
+        phase_s["profile"] = time.perf_counter() - started - phase_s["trace"]
+        evals: list[EvalJob] = []
+        predictions: dict[tuple[str, int], Any] = {}
+        for case in cases:
+            for i, alloc in enumerate(case.allocations):
+                allocation = {m: ModelAlloc(d, tp, share) for m, (d, tp, share) in alloc.items()}
+                cap = predict(pipes[case.workflow], books[case.workflow], allocation, 0.0)
+                predictions[case.workflow, i] = (allocation, cap.throughput)
+                runs = [(f, "latency") for f in fractions] + [(f, "throughput") for f in OVERLOADS]
+                for k, (f, kind) in enumerate(runs):
+                    evals.append(EvalJob(case, i, f, kind, f * cap.throughput,
+                                         seed=100 + 10 * i + k,
+                                         settle_s=3.0 * settle[case.workflow]))
+        simulated = list(pool.map(_evaluate, evals, chunksize=1))
+        phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
+    report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
+                              "targets": TARGETS, "workflows": {}, "summary": {}}
+    for case, (stats, trace_info) in zip(cases, traced, strict=True):
+        pipe, book = pipes[case.workflow], books[case.workflow]
+        points: list[dict[str, Any]] = []
+        thr_errors, lat_errors = [], []
+        best: dict[int, float] = {}
+        for ev, sim in zip(evals, simulated, strict=True):
+            if ev.case.workflow != case.workflow:
+                continue
+            allocation, capacity = predictions[case.workflow, ev.alloc_index]
+            if ev.kind == "throughput":
+                best[ev.alloc_index] = max(best.get(ev.alloc_index, 0.0), sim["throughput"])
+                continue
+            pred = predict(pipe, book, allocation, ev.rate)
+            err = _err(pred.latency, sim["latency_mean"])
+            if ev.fraction <= LATENCY_LOAD_MAX + 1e-9:
+                lat_errors.append(err)
+            points.append({"allocation": _alloc_doc(allocation), "kind": "mean_latency",
+                           "load": ev.fraction, "rate": ev.rate, "predicted": pred.latency,
+                           "simulated": sim["latency_mean"], "error": err,
+                           "bottleneck": pred.bottleneck, "completed": sim["completed"],
+                           "failed": sim["failed"],
+                           "scaled_profiles": [s.model for s in pred.stages
+                                               if s.scaled_from is not None]})
+        for i, achieved in sorted(best.items()):
+            allocation, capacity = predictions[case.workflow, i]
+            err = _err(capacity, achieved)
+            thr_errors.append(err)
+            points.append({"allocation": _alloc_doc(allocation), "kind": "max_throughput",
+                           "predicted": capacity, "simulated": achieved, "error": err,
+                           "offered_loads": list(OVERLOADS)})
+        report["workflows"][case.workflow] = {
+            "trace": {**trace_info, "latency_cv": stats.latency_cv,
+                      "overlap_factor": stats.overlap_factor,
+                      "tool_time_mean_s": stats.tool_time_mean,
+                      "models": {m: {"n": s.n, "p": s.p, "p_agg": s.p_agg,
+                                     "share_mean": s.share_mean, "share_cv": s.share_cv}
+                                 for m, s in stats.models.items()},
+                      "share_cv_below_latency_cv": all(
+                          s.share_cv < stats.latency_cv for s in stats.models.values())},
+            "profiles": {f"{p.key.model}/tp{p.key.tp}/s{p.key.share}": {
+                "saturation_calls_per_s": p.saturation, "saturated": p.saturated,
+                "points": len(p.rates)} for p in book.profiles.values()},
+            "points": points,
+        }
+        report["summary"][case.workflow] = {
+            "throughput_error_max": max(thr_errors, default=float("nan")),
+            "latency_error_max": max(lat_errors, default=float("nan")),
+            "throughput_error_mean": sum(thr_errors) / max(len(thr_errors), 1),
+            "latency_error_mean": sum(lat_errors) / max(len(lat_errors), 1),
+            "allocations": len(case.allocations),
+        }
+    report["profile_points"] = [asdict(p) for pts in profiled for p in pts]
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    report["phase_s"] = {k: round(v, 1) for k, v in phase_s.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "alp_accuracy.json").write_bytes(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    print(orjson.dumps({k: report[k] for k in ("summary", "wall_s", "phase_s")},
+                       option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
