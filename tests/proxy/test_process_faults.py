@@ -102,7 +102,43 @@ async def test_sigterm_under_load_loses_no_record(
     assert all(recorded[k][status_at] == 200 for k in completed)
     # Every call the replica had received by SIGTERM (many still in flight) finished for its client.
     assert received & streams and all(done[k] for k in received)
-    assert "0 dropped" in proxy.stderr()
+    assert " written, 0 dropped" in proxy.stderr()
+
+
+@pytest.mark.timeout(30)
+async def test_sigterm_cuts_calls_past_the_grace_and_records_them(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    fake = await engine_factory(name="up")
+    settings = {
+        "proxy": {"proxy_id": "p-grace", "shutdown_grace_s": 0.5},
+        "store": {"flush_interval_s": 600},
+    }
+    async with proxy_process(tmp_path, fake.url, settings) as proxy, _client(proxy.url) as client:
+        held = {"X-Fake-Mode": "hold"}  # the fake never lets these finish
+
+        async def call(stream: bool) -> None:
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="m", messages=MSG, stream=True, extra_headers=held
+                )
+                [_ async for _ in chunks]
+            else:
+                await client.chat.completions.create(model="m", messages=MSG, extra_headers=held)
+
+        tasks = [asyncio.create_task(call(i % 2 == 0)) for i in range(10)]
+        await _until(lambda: fake.in_flight == 10, 10, "10 held calls at the replica")
+        t_term = time.monotonic()
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert await proxy.exit_code(10) == 0, proxy.stderr()
+        stopped_s = time.monotonic() - t_term
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, openai.APIError | httpx2.HTTPError) for r in results), results
+    assert stopped_s < 5, stopped_s
+    await _until(lambda: fake.cancelled == 10, 3, "every held upstream call to be cancelled")
+    rows = StoreReader(proxy.store).calls().fetchall()
+    errors = [r[[name for name, _ in COLUMNS].index("error")] for r in rows]
+    assert len(rows) == 10 and all(errors), errors
 
 
 @pytest.mark.timeout(40)

@@ -20,6 +20,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from shared.records import now_us
 from tests.proxy.conftest import EngineFactory, ProxyFactory, ProxyHandle
 from tests.proxy.fake_engine import FakeEngine
 
@@ -129,14 +130,12 @@ async def test_replica_killed_under_load_fails_only_its_in_flight_calls(
         await _until(lambda: a.in_flight >= 10 and b.in_flight >= 10, 5, "calls on both replicas")
         seen_by_a = _keys(a)
         in_flight_on_a = a.in_flight
+        t_kill = now_us()
         await a.kill()
         after = [asyncio.create_task(_call(client, i % 2 == 0, True, {})) for i in range(40)]
         outcomes = await asyncio.gather(*before, *after)
     assert in_flight_on_a >= 10
-    failed = [o for o in outcomes if not o.ok]
-    # Only calls the killed replica had taken can fail ...
-    assert {o.key for o in failed} <= seen_by_a, [o.error for o in failed if o.key not in seen_by_a]
-    # ... and its streams in flight did fail (a stream cannot be moved once it has begun).
+    # The killed replica's streams in flight failed (a stream cannot move once it has begun).
     cut_streams = [o for o in outcomes if o.stream and o.key in seen_by_a and not o.after_kill]
     assert cut_streams and any(not o.ok for o in cut_streams)
     # Every call started after the kill succeeded on the surviving replica.
@@ -144,7 +143,8 @@ async def test_replica_killed_under_load_fails_only_its_in_flight_calls(
     assert all(o.ok for o in late), [o.error for o in late if not o.ok]
     assert all(o.text.startswith("b:") or o.stream for o in late)
     assert {o.key for o in late} <= _keys(b) and not {o.key for o in late} & seen_by_a
-    # The store holds every call; failed ones carry an error, successful ones a clean 200.
+    # The store holds every call; successful ones a clean 200, failed ones an error, and
+    # every failed call was in flight on the killed replica: sent to it before it died.
     rows = await _rows_by_key(proxy)
     assert set(rows) == {o.key for o in outcomes}
     for o in outcomes:
@@ -152,8 +152,8 @@ async def test_replica_killed_under_load_fails_only_its_in_flight_calls(
         if o.ok:
             assert final["status"] == 200 and final["error"] is None, final
         else:
-            assert final["error"], final
-            assert final["upstream"] == a.url and final["t_end"] >= final["t_start"]
+            assert final["error"] and final["upstream"] == a.url, (o, final)
+            assert final["t_start"] < t_kill <= final["t_end"], (o, final)
 
 
 @pytest.mark.timeout(10)
