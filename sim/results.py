@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,6 @@ class SimResult:
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures (without the call trace)."""
-        out = asdict(self)
+        out = asdict(replace(self, calls=()))  # asdict would deep-copy every call's prompt
         out.pop("calls")
         return out
