@@ -52,6 +52,7 @@ class LoadResult:
     p99_ms: float
     mean_ms: float
     max_ms: float
+    server_cpu_s: float | None = None  # CPU time of the watched server over the window
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +70,7 @@ class StreamResult:
     events_per_stream: float
     stream_p50_ms: float
     stream_p99_ms: float
+    server_cpu_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,9 +88,29 @@ class Job:
     warmup_s: float
     stream: bool = False
     headers: tuple[tuple[str, str], ...] = ()
+    cpu_pid: int | None = None  # a process whose CPU time over the window is reported
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far, from /proc."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _cpu_delta(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else round(after - before, 3)
 
 
 def wrk_path() -> str | None:
@@ -146,7 +168,9 @@ def run_wrk(job: Job, threads: int, pin: Cpus = None) -> LoadResult:
 
         if job.warmup_s > 0:
             once(job.warmup_s)
+        cpu0 = cpu_seconds(job.cpu_pid)
         out = once(job.duration_s)
+        cpu = _cpu_delta(cpu0, cpu_seconds(job.cpu_pid))
     finally:
         os.unlink(script)
     line = next((ln for ln in out.splitlines() if ln.startswith("WRK_JSON ")), None)
@@ -166,6 +190,7 @@ def run_wrk(job: Job, threads: int, pin: Cpus = None) -> LoadResult:
         p99_ms=s["p99"] / 1000,
         mean_ms=round(s["mean"] / 1000, 4),
         max_ms=s["max"] / 1000,
+        server_cpu_s=cpu,
     )
 
 
@@ -280,10 +305,19 @@ async def _streams(
                 errors += 1
 
 
+async def _cpu_over(win: _Window, pid: int | None) -> float | None:
+    """CPU seconds ``pid`` used between the window's start and end (sampled at both)."""
+    await asyncio.sleep(max(0.0, (win.start - time.perf_counter_ns()) / 1e9))
+    before = cpu_seconds(pid)
+    await asyncio.sleep(max(0.0, (win.end - time.perf_counter_ns()) / 1e9))
+    return _cpu_delta(before, cpu_seconds(pid))
+
+
 async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
     body = job.body.encode()
     win = _Window(job.warmup_s, job.duration_s)
     c = job.concurrency
+    cpu_task = asyncio.create_task(_cpu_over(win, job.cpu_pid))
     if job.stream:
         parts = await asyncio.gather(*(_streams(session, job.url, body, win) for _ in range(c)))
         total = sum(p[0] for p in parts)
@@ -301,6 +335,7 @@ async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
             events_per_stream=round(sum(events) / len(events), 2) if events else 0.0,
             stream_p50_ms=p50,
             stream_p99_ms=p99,
+            server_cpu_s=await cpu_task,
         ).as_dict()
     results = await asyncio.gather(*(_requests(session, job.url, body, win) for _ in range(c)))
     lat = [x for r in results for x in r[0]]
@@ -317,6 +352,7 @@ async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
         p99_ms=p99,
         mean_ms=mean,
         max_ms=mx,
+        server_cpu_s=await cpu_task,
     ).as_dict()
 
 

@@ -6,7 +6,7 @@ segments back with :class:`shared.store.StoreReader` to prove every accepted rec
 
 Invariants:
 - the clock runs from the first ``submit`` to the return of ``Recorder.close()``, so the
-  figure includes writing the last segment (records/s = records / that wall time);
+  figure includes writing the last segment (records/s = records written / that wall time);
 - submission yields to the loop every ``batch`` records (a proxy's handlers run between
   loop turns too), so the writer task is scheduled while submission goes on;
 - the records are realistic rows (ids, times, tokens, a ~200-byte request body); a pool of

@@ -14,7 +14,9 @@ Measured (all real measurements on this machine, nothing emulated):
   (aiohttp) client process otherwise; which one is recorded;
 - streamed events/s at 16 concurrent streams, direct and proxied, counted by the client (the
   asyncio client: ``wrk`` cannot count events);
-- recorder records/s (in-process ``Recorder``, ``bench._recorder_speed``);
+- recorder records/s (in-process ``Recorder``, ``bench._recorder_speed``): a burst the queue
+  holds, submitted as fast as possible (its rate is the summary's figure), and a run offered
+  at the target rate for several seconds (sustained: must drop nothing);
 - after SIGTERM of the proxy, the records its store holds against the POSTs that reached the
   upstream through it: any loss is reported.
 
@@ -75,13 +77,13 @@ class Plan:
     stream_chunks: int
     recorder_burst: int  # records submitted unpaced (the recorder's queue holds them all)
     recorder_paced: int  # records offered at ``recorder_rate``
-    recorder_rate: float
+    recorder_rate: float  # the target rate: the paced run shows it is sustained, none dropped
     concurrencies: tuple[int, ...] = (1, 16, 64)
     stream_concurrency: int = 16
 
 
-QUICK = Plan(2.0, 1.0, 3.0, 64, 200_000, 100_000, 100_000.0)
-FULL = Plan(10.0, 2.0, 10.0, 64, 200_000, 1_000_000, 100_000.0)
+QUICK = Plan(2.0, 1.0, 3.0, 64, 200_000, 100_000, 50_000.0)
+FULL = Plan(10.0, 2.0, 10.0, 64, 200_000, 500_000, 50_000.0)
 TARGETS: dict[str, tuple[str, float]] = {
     "added_p50_ms_c1": ("<=", 0.5),
     "proxied_rps_c16": (">=", 4000.0),
@@ -174,19 +176,27 @@ def upstream_stats(upstream: Server) -> dict[str, int]:
         return {k: int(v) for k, v in orjson.loads(r.read()).items()}
 
 
-def plan_jobs(plan: Plan, direct: str, proxied: str) -> list[tuple[str, Job]]:
+def plan_jobs(plan: Plan, upstream: Server, proxy: Server) -> list[tuple[str, Job]]:
     """(target, job) for every load run, in the order they run: direct then proxied at each
-    concurrency, then the streams. Direct jobs carry ``X-Bench-Direct`` (see bench._upstream)."""
+    concurrency, then the streams. Direct jobs carry ``X-Bench-Direct`` (see bench._upstream);
+    each job watches the CPU time of the server it loads (the upstream when direct)."""
     mark = (("X-Bench-Direct", "1"),)
+    targets = (("direct", upstream, mark), ("proxied", proxy, ()))
     jobs: list[tuple[str, Job]] = []
     for c in plan.concurrencies:
-        for target, url, headers in (("direct", direct, mark), ("proxied", proxied, ())):
-            job = Job(url + ROUTE, BODY.decode(), c, plan.duration_s, plan.warmup_s)
-            jobs.append((target, replace(job, headers=headers)))
-    for target, url, headers in (("direct", direct, mark), ("proxied", proxied, ())):
-        body = STREAM_BODY.decode()
-        job = Job(url + ROUTE, body, plan.stream_concurrency, plan.stream_duration_s, plan.warmup_s)
-        jobs.append((target, replace(job, stream=True, headers=headers)))
+        for target, server, headers in targets:
+            job = Job(server.url + ROUTE, BODY.decode(), c, plan.duration_s, plan.warmup_s)
+            jobs.append((target, replace(job, headers=headers, cpu_pid=server.proc.pid)))
+    for target, server, headers in targets:
+        job = Job(
+            server.url + ROUTE,
+            STREAM_BODY.decode(),
+            plan.stream_concurrency,
+            plan.stream_duration_s,
+            plan.warmup_s,
+            stream=True,
+        )
+        jobs.append((target, replace(job, headers=headers, cpu_pid=server.proc.pid)))
     return jobs
 
 
@@ -217,7 +227,7 @@ def measure_http(
         proxy_cmd += ["--upstream", f"{MODEL}={upstream.url}", "--store", str(store)]
         proxy_cmd += ["--workflow", WORKFLOW, "--log-level", "INFO"]
         proxy = Server("proxy", proxy_cmd, place.proxy, logs)
-        jobs = plan_jobs(plan, upstream.url, proxy.url)
+        jobs = plan_jobs(plan, upstream, proxy)
         results = run_jobs([j for _, j in jobs], client, place.others)
         runs: list[dict[str, Any]] = []
         streams: dict[str, Any] = {"expected_events_per_stream": plan.stream_chunks + 1}
@@ -266,10 +276,14 @@ def print_http(report: dict[str, Any]) -> None:
         print(
             f"c={r['concurrency']:<3} {r['target']:8} {r['rps']:>9.0f} rps  p50 {r['p50_ms']:.3f}"
             f"  p90 {r['p90_ms']:.3f}  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}"
+            f"  server cpu {_cpu_per(r, 'requests')} us/req"
         )
     for target in ("direct", "proxied"):
         s = report["streaming"][target]
-        print(f"streams x{s['concurrency']} {target:8} {s['events_per_s']:>10.0f} events/s")
+        print(
+            f"streams x{s['concurrency']} {target:8} {s['events_per_s']:>10.0f} events/s"
+            f"  server cpu {_cpu_per(s, 'events')} us/event"
+        )
 
 
 def measure_recorder_runs(plan: Plan, place: Placement) -> dict[str, Any]:
@@ -312,7 +326,22 @@ def summarise(http: dict[str, Any], recorder: dict[str, Any]) -> dict[str, Any]:
         "recorder_records_per_s": recorder["burst"]["records_per_s"],
         "records_dropped": dropped,
         "proxy_records_lost": check["records_lost"],
+        # Contention-robust figures: the proxy's own CPU time per call / per streamed event,
+        # and how much of a core it got while loaded at c16 (below ~0.9: it was starved).
+        "proxy_cpu_us_per_request_c16": _cpu_per(_run(runs, "proxied", 16), "requests"),
+        "proxy_cpu_us_per_stream_event": _cpu_per(http["streaming"]["proxied"], "events"),
+        "proxy_core_share_c16": _core_share(_run(runs, "proxied", 16)),
     }
+
+
+def _cpu_per(run: dict[str, Any], unit: str) -> float | None:
+    cpu = run.get("server_cpu_s")
+    return None if cpu is None or not run[unit] else round(cpu * 1e6 / run[unit], 1)
+
+
+def _core_share(run: dict[str, Any]) -> float | None:
+    cpu = run.get("server_cpu_s")
+    return None if cpu is None else round(cpu / run["duration_s"], 3)
 
 
 def judge(summary: dict[str, Any]) -> dict[str, Any]:
