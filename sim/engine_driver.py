@@ -107,7 +107,6 @@ class EngineDriver:
     clock: Callable[[], float] = time.monotonic
     tickets: dict[str, Ticket] = field(default_factory=dict)
     steps_total: int = 0
-    preemptions_total: int = 0
     model_busy_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -132,8 +131,8 @@ class EngineDriver:
         req = EngineRequest(rid, prompt, output_tokens, arrival=self.model_now())
         ticket = Ticket(rid, index, output_tokens, sink, now, prompt_tokens=len(prompt),
                         request=req, every_token=every_token)
+        self.core.submit(req)  # first: a refused request (ValueError) leaves no ticket behind
         self.tickets[rid] = ticket
-        self.core.submit(req)
         self._wake.set()
         return ticket
 
@@ -202,7 +201,6 @@ class EngineDriver:
             self._deliver(outcome, end)
 
     def _deliver(self, outcome: StepOutcome, now: float) -> None:
-        self.preemptions_total += len(outcome.preempted)
         first = set(outcome.first_token)
         finished = set(outcome.finished)
         touched: dict[str, None] = dict.fromkeys(outcome.first_token)

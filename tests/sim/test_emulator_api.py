@@ -322,3 +322,16 @@ async def test_api_key_guards_v1_routes_only() -> None:
         assert (await good.embeddings.create(model="e5-base-v2", input="hi")).data
         async with aiohttp.ClientSession() as s, s.get(f"{srv.url}/health") as r:
             assert r.status == 200
+
+
+async def test_a_prompt_beyond_the_kv_cache_is_refused_cleanly() -> None:
+    tight = EmulatorConfig(model="llama-3-8b", gpu="a6000", share=0.4, speedup=FAST)
+    async with serving(tight) as srv:
+        huge: list[ChatCompletionMessageParam] = [{"role": "user", "content": "word " * 3000}]
+        with pytest.raises(openai.BadRequestError, match="KV cache"):
+            await client(srv).chat.completions.create(model="llama-3-8b", messages=huge,
+                                                      max_tokens=4)
+        assert not srv.engine.driver.tickets and not srv.engine.driver.core.has_work()
+        ok = await client(srv).chat.completions.create(model="llama-3-8b", messages=QUESTION,
+                                                       max_tokens=4)
+        assert ok.choices[0].message.content
