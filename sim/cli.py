@@ -71,12 +71,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.speedup <= 0:
             raise ValueError("--speedup must be positive")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in 0-65535, got {args.port}")
         app = make_app(config_from(args))
     except ValueError as exc:
         p.exit(2, f"scepsy-engine: error: {exc}\n")
-    print(f"scepsy-engine (EMULATED {args.model} on {args.tp}x{args.gpu} share {args.share}, "
-          f"speedup {args.speedup}) on http://{args.host}:{args.port}", file=sys.stderr)
-    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    banner = (f"scepsy-engine (EMULATED {args.model} on {args.tp}x{args.gpu} share "
+              f"{args.share}, speedup {args.speedup}) on http://{args.host}:{args.port}")
+
+    def listening(_: str) -> None:  # aiohttp calls this once the socket is bound
+        print(banner, file=sys.stderr, flush=True)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=listening,
+                    handler_cancellation=True)
+    except OSError as exc:  # address in use, unknown host: one line, not a traceback
+        p.exit(1, f"scepsy-engine: error: cannot listen on {args.host}:{args.port}: {exc}\n")
 
 
 if __name__ == "__main__":
