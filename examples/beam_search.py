@@ -9,7 +9,9 @@ Every call of one solve carries ``X-Scepsy-Workflow: beam`` and one fresh reques
 
 Invariants (per iteration, as in workloads.md): n generator calls, then n verifier calls, each
 group concurrent; a beam completes on end-of-sequence, length, or an empty step; completed
-beams stop being extended; the answer is the best-scored completed beam.
+beams stop being extended; the search ends when n beams have completed (search-and-learn's
+default, ``sort_completed=False``), no beam is active, or the iterations run out; the answer is
+the best-scored completed beam.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ async def solve(endpoints: Endpoints, problem: str, cfg: BeamConfig = BeamConfig
         ver_calls += len(stepped)
         scored = [replace(b, score=s) for b, s in zip(stepped, scores, strict=True)]
         completed += [b for b in scored if b.completed]
+        if len(completed) >= cfg.n:  # search-and-learn stops once n beams have completed
+            break
         survivors = sorted((b for b in scored if not b.completed), key=lambda b: -b.score)
         beams = [b for b in survivors[: cfg.n // cfg.width] for _ in range(cfg.width)]
     pool = completed or beams

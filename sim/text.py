@@ -17,9 +17,8 @@ Invariants:
 Assumptions (not measured, marked as such): the number of tokens per beam-search step is
 lognormal with median ``median_tokens`` (default 60) and log-sigma ``sigma`` (default 0.7);
 a step ends with end-of-sequence instead of its stop string with probability
-``eos_probability`` (default 0.1: a geometric depth, median 7 and mean 10 steps, against
-workloads.md's 5-15). That choice depends on the prompt only, so every sample continuing one
-beam agrees on whether the solution ends here.
+``eos_probability`` (default 0.1, independently per sample, as ``sim.workflows`` assumes:
+a search that stops at n completed beams then runs ~10 iterations, inside workloads.md's 5-15).
 """
 
 from __future__ import annotations
@@ -180,11 +179,8 @@ def plan_generation(
     else:
         drawn = lengths.median_tokens * math.exp(lengths.sigma * float(rng.standard_normal()))
         length = max(1, round(drawn), req.min_tokens)
-        # Whether this step ends the solution depends on the prompt (the solution so far),
-        # not on the sample: copies of one beam end together, as a real model's would when
-        # the next step is the answer. Depth is then geometric (mean 1 / eos_probability).
-        ends = (digest("eos", seed, req.prompt) % 1_000_003) / 1_000_003
-        eos = not req.stop or ends < lengths.eos_probability
+        # Each sample ends the solution on its own (as the simulator's beam workflow assumes).
+        eos = not req.stop or float(rng.random()) < lengths.eos_probability
         ending = None if eos else req.stop[0]
     body = _words(rng, max(0, length - 1) if ending is not None else length)
     tokens = [*body, ending] if ending is not None else body

@@ -57,16 +57,10 @@ def test_step_lengths_follow_the_configured_median() -> None:
     lengths = [len(plan_generation(GenerationRequest("p", 4096, ("\n\n",), k), 0, seed=0,
                                    lengths=LENGTHS).tokens) for k in range(300)]
     assert 50 <= statistics.median(lengths) <= 70
-    ends = [plan_generation(GenerationRequest(f"beam {k}", 4096, ("\n\n",), 0), 0, seed=0,
+    ends = [plan_generation(GenerationRequest("p", 4096, ("\n\n",), k), 0, seed=0,
                             lengths=LENGTHS).stop_reason for k in range(300)]
     eos_share = ends.count(None) / len(ends)
-    assert 0.05 <= eos_share <= 0.16  # ~eos_probability = 0.1
-    # Samples continuing one beam agree on whether it ends: the choice is the prompt's.
-    for k in range(40):
-        copies = {plan_generation(GenerationRequest(f"beam {k}", 4096, ("\n\n",), key), c,
-                                  seed=0, lengths=LENGTHS).stop_reason
-                  for key in range(3) for c in range(2)}
-        assert len(copies) == 1
+    assert 0.05 <= eos_share <= 0.16  # ~eos_probability = 0.1, independently per sample
     assert plan_generation(req, 0, seed=0, lengths=LengthModel(median_tokens=10)).tokens
 
 
