@@ -12,6 +12,11 @@ Beyond the paper: ``overlap`` (from stats: mean critical path / mean Σ per-mode
 <= 1) stops calls fanned out across *different* LLMs from being added as if serial, and
 ``tool_time`` (mean uncovered time inside a request) is a fixed, load-independent stage.
 
+Also beyond the paper, ``pooling``: ``d`` replicas behind a load-balancing router queue less
+than ``d`` separate servers each at rate ``λ/d`` (the paper's model). The part of ``L_m`` above
+its light-load value is scaled by the M/M/c to M/M/1 waiting-time ratio at the same
+utilisation ``rho`` (Sakasegawa's approximation): ``rho^(sqrt(2(d+1)) - 2) / d``; 1 for one replica.
+
 ``p_m`` is the ratio-of-totals parallelism (``ModelStats.p_agg``) by default: with it,
 ``n_m · L_m / p_m`` equals the mean per-request busy time of ``m`` at the traced load, so the
 prediction reproduces the trace's mean latency there; the paper's per-request average ``p``
@@ -111,9 +116,30 @@ class Prediction:
         return self.rate < self.throughput
 
 
+def pooling_factor(rho: npt.ArrayLike, replicas: npt.ArrayLike) -> FloatArray:
+    """Waiting time of ``d`` pooled servers relative to one server, both at utilisation
+    ``rho`` (Sakasegawa: ``Lq(M/M/c) ≈ rho^sqrt(2(c+1)) / (1-rho)``); exactly 1 for ``d = 1``."""
+    d = np.maximum(np.asarray(replicas, dtype=np.float64), 1.0)
+    r = np.clip(np.asarray(rho, dtype=np.float64), 1e-9, 1.0)
+    return np.asarray(r ** (np.sqrt(2.0 * (d + 1.0)) - 2.0) / d, dtype=np.float64)
+
+
+def _stage_latency(prof: Profile, call_rate: npt.ArrayLike, replicas: npt.ArrayLike, stat: Stat,
+                   pooling: bool) -> FloatArray:
+    lat = prof.latency(call_rate, stat)
+    if not pooling:
+        return lat
+    light = float(prof.lat[stat][0])
+    rho = np.asarray(call_rate, dtype=np.float64) / prof.saturation
+    with np.errstate(invalid="ignore"):
+        pooled = light + (lat - light) * pooling_factor(rho, replicas)
+    return np.asarray(np.where(np.isfinite(lat), np.maximum(pooled, light), lat),
+                      dtype=np.float64)
+
+
 def predict(
     pipeline: Pipeline, book: ProfileBook, allocation: Mapping[str, ModelAlloc], rate: float,
-    stat: Stat = "mean",
+    stat: Stat = "mean", pooling: bool = True,
 ) -> Prediction:
     """Latency and throughput of ``pipeline`` at ``rate`` requests/s under ``allocation``."""
     stages = []
@@ -121,7 +147,7 @@ def predict(
         alloc = allocation[st.model]
         prof = book.lookup(st.model, alloc.tp, alloc.share)
         call_rate = rate * st.n / alloc.replicas
-        call_latency = float(prof.latency(call_rate, stat))
+        call_latency = float(_stage_latency(prof, call_rate, alloc.replicas, stat, pooling))
         capacity = alloc.replicas * prof.saturation / st.n if st.n > 0 else math.inf
         stages.append(StagePrediction(
             model=st.model, call_rate=call_rate, call_latency=call_latency,
@@ -151,7 +177,7 @@ class BatchPrediction:
 
 def predict_many(
     pipeline: Pipeline, book: ProfileBook, rate: float, replicas: npt.ArrayLike,
-    tp: npt.ArrayLike, share: npt.ArrayLike, stat: Stat = "mean",
+    tp: npt.ArrayLike, share: npt.ArrayLike, stat: Stat = "mean", pooling: bool = True,
 ) -> BatchPrediction:
     """Vectorised :func:`predict`: ``replicas``, ``tp``, ``share`` are (C, M) arrays, column
     ``j`` for ``pipeline.stages[j]``."""
@@ -179,7 +205,7 @@ def predict_many(
         bounds = np.searchsorted(inverse[order], np.arange(len(profiles) + 1))
         for g, prof in enumerate(profiles):
             rows = order[bounds[g]:bounds[g + 1]]
-            lat[rows] = prof.latency(call_rate[rows], stat)
+            lat[rows] = _stage_latency(prof, call_rate[rows], d[rows, j], stat, pooling)
             scaled[rows, j] = prof.scaled_from is not None
         contribution[:, j] = lat * st.n / st.p
     neck = np.argmin(capacity, axis=1)

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
+from optimizer.alp import ModelAlloc, Pipeline, Stage, pooling_factor, predict, predict_many
 from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.stats import summarise_store
 from tests.optimizer.conftest import Row, call
-from tests.optimizer.test_profiles import mm1
+from tests.optimizer.test_profiles import MU, mm1
 
 
 def _book() -> ProfileBook:
@@ -25,7 +25,7 @@ PIPE = Pipeline("beam", (Stage("gen", n=4.0, p=2.0), Stage("ver", n=2.0, p=1.0))
 
 def test_eqs_1_and_2() -> None:
     alloc = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
-    pred = predict(PIPE, _book(), alloc, rate=1.5)
+    pred = predict(PIPE, _book(), alloc, rate=1.5, pooling=False)
     # gen: 1.5 * 4 / 2 = 3 calls/s per replica -> 1/(10-3); ver: 1.5 * 2 / 1 = 3 -> 1/7
     assert pred.stages[0].call_rate == pytest.approx(3.0)
     assert pred.stages[0].contribution == pytest.approx((1 / 7) * 4 / 2)
@@ -46,14 +46,14 @@ def test_bottleneck_and_overload() -> None:
 
 def test_percentile_uses_the_profile_percentile() -> None:
     alloc = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
-    mean = predict(PIPE, _book(), alloc, rate=1.5)
-    p90 = predict(PIPE, _book(), alloc, rate=1.5, stat="p90")
+    mean = predict(PIPE, _book(), alloc, rate=1.5, pooling=False)
+    p90 = predict(PIPE, _book(), alloc, rate=1.5, stat="p90", pooling=False)
     assert p90.latency == pytest.approx(2.3 * mean.latency)
 
 
 def test_unprofiled_share_is_scaled_and_flagged() -> None:
     alloc = {"gen": ModelAlloc(replicas=2, share=0.5), "ver": ModelAlloc(replicas=1)}
-    pred = predict(PIPE, _book(), alloc, rate=1.0)
+    pred = predict(PIPE, _book(), alloc, rate=1.0, pooling=False)
     gen = pred.stages[0]
     assert gen.scaled_from == 1.0
     assert gen.capacity == pytest.approx(2 * 5.0 / 4)
@@ -82,6 +82,24 @@ def test_batch_agrees_with_single() -> None:
         else:
             assert batch.latency[i] == pytest.approx(one.latency)
         assert bool(batch.scaled[i, 0]) == (one.stages[0].scaled_from is not None)
+
+
+def test_pooling_shrinks_only_the_excess_over_light_load() -> None:
+    book = _book()
+    one = {"gen": ModelAlloc(replicas=1), "ver": ModelAlloc(replicas=1)}
+    two = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
+    # one replica: pooling changes nothing
+    assert predict(PIPE, book, one, 1.5).latency == pytest.approx(
+        predict(PIPE, book, one, 1.5, pooling=False).latency)
+    pooled = predict(PIPE, book, two, 2.0).stages[0]
+    separate = predict(PIPE, book, two, 2.0, pooling=False).stages[0]
+    light = 1 / 9  # the lightest profiled point
+    rho = 4.0 / MU
+    factor = pooling_factor(rho, 2)
+    assert factor == pytest.approx(rho ** (6**0.5 - 2) / 2)
+    assert pooled.call_latency == pytest.approx(light + (separate.call_latency - light) * factor)
+    assert light < pooled.call_latency < separate.call_latency
+    assert pooled.capacity == separate.capacity
 
 
 def test_batch_shape_is_checked() -> None:
