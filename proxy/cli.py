@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -121,6 +121,15 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         await runner.cleanup()
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where installed (the proxy's loop is its hot path), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every platform but Windows
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.help_settings:
@@ -138,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scepsy-proxy: bad settings: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(settings))
     except OSError as exc:
         print(
             f"scepsy-proxy: cannot listen on {settings.proxy.listen}: {exc.strerror}",

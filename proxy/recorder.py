@@ -65,15 +65,23 @@ class Recorder:
         self._task = asyncio.create_task(self._run(), name="scepsy-recorder")
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        interval = self.settings.flush_interval_s
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.flush_interval_s)
+                await asyncio.wait_for(self._wake.wait(), max(0.0, last + interval - loop.time()))
             self._wake.clear()
-            await self._flush()
+            # Full segments go out as soon as they fill; a partial one only once the interval
+            # has passed, so a steady stream of records makes few, large segments.
+            aged = loop.time() >= last + interval
+            await self._flush(partial=aged)
+            if aged:
+                last = loop.time()
         await self._flush()
 
-    async def _flush(self) -> None:
-        while self._buffer:
+    async def _flush(self, partial: bool = True) -> None:
+        while len(self._buffer) >= (1 if partial else self.settings.segment_rows):
             batch = self._buffer[: self.settings.segment_rows]
             del self._buffer[: len(batch)]
             self._writing = len(batch)

@@ -165,6 +165,14 @@ async def _relay_events(
             if rec.t_first_byte is None:
                 rec.t_first_byte = now_us()
             data = pending + chunk if pending else chunk
+            if b"\r" not in data and _USAGE not in data and b'{"error"' not in data:
+                # Fast path (nearly every chunk): forward all complete events in one write.
+                end = data.rfind(b"\n\n") + 2
+                pending = data[end:] if end > 1 else data
+                if end > 1:
+                    rec.response_bytes += end
+                    await out.write(data[:end])
+                continue
             last = 0
             keep: list[bytes] = []
             dropped = False

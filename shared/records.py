@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import astuple, dataclass, fields
@@ -83,8 +84,13 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
 def new_call_id() -> str:
-    return uuid.uuid4().hex
+    """Unique across processes (a random 64-bit prefix per process) without a syscall per id."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 # Keys whose values are credentials wherever they appear in a body (compared lower-case,
@@ -104,7 +110,9 @@ _SECRET_KEYS = frozenset(
         "key",
     }
 )
-_HINTS = (b"key", b"token", b"secret", b"password", b"authorization", b"bearer")
+# Every key _scrub redacts ends in one of these right before its closing quote; "max_tokens"
+# does not match b'token"', so ordinary bodies skip the walk entirely.
+_HINTS = (b'key"', b'token"', b'secret"', b'password"', b'authorization"', b'bearer"')
 
 
 def _scrub(value: Any) -> tuple[Any, bool]:
