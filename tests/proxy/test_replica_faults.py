@@ -116,7 +116,9 @@ async def test_replica_killed_under_load_fails_only_its_in_flight_calls(
 ) -> None:
     a = await engine_factory(name="a")
     b = await engine_factory(name="b")
-    proxy = await proxy_factory([("m", a.url), ("m", b.url)])
+    # Never ejected here, so late calls keep picking the dead replica (ejection: below).
+    routing = {"eject_after_failures": 1000}
+    proxy = await proxy_factory([("m", a.url), ("m", b.url)], routing=routing)
     # Streams take ~0.4 s (40 paced tokens), plain calls wait 0.3 s: the kill lands mid-call.
     slow_stream = {"X-Fake-Mode": "slow", "X-Fake-Tokens": "40"}
     slow_plain = {"X-Fake-Delay-S": "0.3"}
@@ -154,6 +156,12 @@ async def test_replica_killed_under_load_fails_only_its_in_flight_calls(
         else:
             assert final["error"] and final["upstream"] == a.url, (o, final)
             assert final["t_start"] < t_kill <= final["t_end"], (o, final)
+    # Late calls that picked the dead replica were refused there and retried once on b.
+    retried = [rows[o.key] for o in late if len(rows[o.key]) > 1]
+    assert retried, "no late call was refused by the dead replica"
+    for first, second in retried:
+        assert (first["upstream"], second["upstream"]) == (a.url, b.url)
+        assert first["error"].startswith("connect") and second["attempt"] == first["attempt"] + 1
 
 
 @pytest.mark.timeout(10)
