@@ -22,6 +22,7 @@ from types import ModuleType
 COMMANDS: dict[str, str] = {
     "stats": "optimizer.stats_report",
     "inventory": "optimizer.inventory_cmd",
+    "render": "optimizer.render_cmd",
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")

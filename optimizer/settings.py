@@ -1,0 +1,254 @@
+"""The optimizer's settings sections: ``rollout:`` (how models are served and rolled out).
+
+Role: the schema of what the rollout needs beyond the cluster: per model, the engine that serves
+it, where its weights come from and the least memory it needs; an explicit allocation (replicas,
+tensor-parallel degree, GPU share per model) for when no search has run yet, optionally several
+named ones (``scenarios``, e.g. before and after a traffic shift); and the Kubernetes backend's
+namespace, images, ports and timeouts.
+
+Invariants: decoded once by :func:`shared.settings_schema.decode`, frozen afterwards; a bad
+value raises :class:`SettingsError` naming its key path relative to ``rollout``; every model an
+allocation names is listed in ``models``; names that end up in Kubernetes object names are
+DNS-1123 labels.
+
+Until the root settings gain the section (``rollout: RolloutSettings`` in
+:class:`shared.settings.Settings`), :func:`load_with_rollout` reads the file, decodes
+``rollout`` here and the rest with the root schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shared.cluster import GB
+from shared.settings import Settings, settings_from_mapping
+from shared.settings_schema import SettingsError, decode, setting
+
+__all__ = [
+    "AllocationEntry",
+    "Engine",
+    "KubernetesSettings",
+    "ModelServing",
+    "RolloutSettings",
+    "Scenario",
+    "load_with_rollout",
+]
+
+Engine = Literal["vllm", "sglang", "emulator"]
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class ModelServing:
+    """How one model is served: its engine, its weights and its memory floor."""
+
+    name: str = setting(doc="model name clients send in the `model` field (served model name)")
+    engine: Engine = setting("emulator", doc="vllm, sglang, or emulator (scepsy-engine)")
+    source: str | None = setting(
+        None,
+        doc="weights: a Hugging Face id or path for vllm/sglang; the emulator's --model spec "
+        "name for the emulator (default: name)",
+    )
+    min_memory_gb: float = setting(
+        0.0, doc="least memory a replica needs over all its GPUs (weights plus a minimal KV cache)"
+    )
+    extra_args: tuple[str, ...] = setting(
+        factory=tuple, doc="further engine arguments, appended as given"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise SettingsError("name", "must not be empty")
+        if self.min_memory_gb < 0:
+            raise SettingsError("min_memory_gb", "must not be negative")
+
+    @property
+    def weights(self) -> str:
+        return self.source or self.name
+
+    @property
+    def revision(self) -> str:
+        """Digest of how the model is served; a change replaces its replicas."""
+        text = "\0".join([self.engine, self.weights, *self.extra_args])
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+    @property
+    def min_memory_bytes(self) -> int:
+        return round(self.min_memory_gb * GB)
+
+
+@dataclass(frozen=True)
+class AllocationEntry:
+    """Replicas of one model: how many, at which tensor-parallel degree and GPU share."""
+
+    model: str = setting(doc="a model listed in rollout.models")
+    replicas: int = setting(1, doc="number of replicas")
+    tp: int = setting(1, doc="tensor-parallel degree (GPUs per replica, in one NVLink domain)")
+    share: float = setting(1.0, doc="fraction of each of its GPUs a replica gets (0 < share <= 1)")
+    workflow: str = setting("*", doc="the workflow the replicas were allocated for (informative)")
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise SettingsError("replicas", "must not be negative")
+        if self.tp < 1 or self.tp & (self.tp - 1):
+            raise SettingsError("tp", f"must be a power of two, got {self.tp}")
+        if not 0.0 < self.share <= 1.0:
+            raise SettingsError("share", f"must be in (0, 1], got {self.share}")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named allocation, e.g. the one after a traffic shift."""
+
+    name: str = setting(doc="scenario name (scepsy render --scenario NAME)")
+    allocation: tuple[AllocationEntry, ...] = setting(doc="the allocation of this scenario")
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise SettingsError("name", "must not be empty")
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """The Kubernetes backend: where engine pods go and what they run."""
+
+    namespace: str = setting("scepsy", doc="namespace of engine pods, services and routes")
+    owner: str = setting(
+        "scepsy",
+        doc="value of the scepsy.io/owner label; the backend deletes only objects carrying it, "
+        "so two Scepsy installations in one namespace need different owners",
+    )
+    routes_configmap: str = setting(
+        "scepsy-routes", doc="ConfigMap holding routes.json, which the proxies' route sync reads"
+    )
+    engine_port: int = setting(8000, doc="first container port of a pod's engines (+1 each)")
+    service_port: int = setting(8000, doc="port of each replica's Service")
+    vllm_image: str = setting("vllm/vllm-openai:v0.8.5", doc="image of vLLM engines")
+    sglang_image: str = setting("lmsysorg/sglang:v0.4.6.post1-cu124", doc="image of SGLang engines")
+    emulator_image: str = setting("ghcr.io/scepsy/scepsy:0.1.0", doc="image with scepsy-engine")
+    mps_image: str = setting(
+        "nvidia/cuda:12.4.1-base-ubuntu22.04", doc="image providing nvidia-cuda-mps-control"
+    )
+    gpu_resource: str = setting("nvidia.com/gpu", doc="extended resource name of a whole GPU")
+    hf_token_secret: str | None = setting(
+        None, doc="Secret with key HF_TOKEN given to vllm/sglang engines (null: none)"
+    )
+    ready_timeout_s: float = setting(
+        900.0, doc="longest a pod may take to get every engine ready (cold starts take minutes)"
+    )
+    delete_timeout_s: float = setting(300.0, doc="longest a stopped pod may take to disappear")
+    poll_interval_s: float = setting(2.0, doc="how often pod states are polled while waiting")
+
+    def __post_init__(self) -> None:
+        for key in ("namespace", "owner", "routes_configmap"):
+            value = getattr(self, key)
+            if len(value) > 63 or not _DNS_LABEL.match(value):
+                raise SettingsError(key, f"must be a DNS label (a-z, 0-9, -), got {value!r}")
+        for key in ("engine_port", "service_port"):
+            if not 1 <= getattr(self, key) <= 65535:
+                raise SettingsError(key, "must be a port number (1-65535)")
+        for key in ("ready_timeout_s", "delete_timeout_s", "poll_interval_s"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(key, "must be positive")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Serving and rollout: models, an explicit allocation, backend details."""
+
+    backend: Literal["local", "kubernetes"] = setting(
+        "local", doc="local: engine processes on this machine; kubernetes: pods on the cluster"
+    )
+    models: tuple[ModelServing, ...] = setting(factory=tuple, doc="how each model is served")
+    allocation: tuple[AllocationEntry, ...] = setting(
+        factory=tuple, doc="an explicit allocation, used where no search result is available"
+    )
+    scenarios: tuple[Scenario, ...] = setting(
+        factory=tuple, doc="further named allocations (scepsy render --scenario NAME)"
+    )
+    drain_s: float = setting(
+        30.0,
+        doc="after a replica's route is removed, how long in-flight calls get before it is "
+        "stopped (on Kubernetes include the ConfigMap propagation delay)",
+    )
+    kubernetes: KubernetesSettings = setting(
+        factory=KubernetesSettings, doc="the kubernetes backend"
+    )
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise SettingsError(f"models[{i}].name", f"model {name!r} is listed twice")
+        if self.drain_s < 0:
+            raise SettingsError("drain_s", "must not be negative")
+        seen: set[str] = set()
+        for s, scenario in enumerate(self.scenarios):
+            if scenario.name in seen:
+                raise SettingsError(f"scenarios[{s}].name", f"{scenario.name!r} is listed twice")
+            seen.add(scenario.name)
+        for prefix, allocation in [
+            ("allocation", self.allocation),
+            *((f"scenarios[{s}].allocation", sc.allocation) for s, sc in enumerate(self.scenarios)),
+        ]:
+            for i, entry in enumerate(allocation):
+                if entry.model not in names:
+                    raise SettingsError(
+                        f"{prefix}[{i}].model",
+                        f"{entry.model!r} is not in rollout.models ({', '.join(names) or 'none'})",
+                    )
+
+    def revisions(self) -> dict[str, str]:
+        """Per model, the revision of how it is served (see :attr:`ModelServing.revision`)."""
+        return {m.name: m.revision for m in self.models}
+
+    def model(self, name: str) -> ModelServing:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def scenario(self, name: str | None) -> tuple[AllocationEntry, ...]:
+        """The allocation called ``name`` (``None``: the default ``allocation``)."""
+        if name is None:
+            return self.allocation
+        for sc in self.scenarios:
+            if sc.name == name:
+                return sc.allocation
+        known = ", ".join(sc.name for sc in self.scenarios) or "none"
+        raise SettingsError("rollout.scenarios", f"no scenario {name!r} (known: {known})")
+
+
+def _hooked() -> bool:
+    return "rollout" in {f.name for f in dataclasses.fields(Settings)}
+
+
+def load_with_rollout(path: str | Path) -> tuple[Settings, RolloutSettings]:
+    """Read one settings file: the root settings and its ``rollout`` section."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SettingsError("", f"cannot read settings file {path}: {exc.strerror}") from exc
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SettingsError("", f"{path} is not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SettingsError("", f"{path}: expected a mapping at the top level")
+    if _hooked():
+        settings = settings_from_mapping(data)
+        rollout = getattr(settings, "rollout")  # noqa: B009 - only present once hooked in
+        assert isinstance(rollout, RolloutSettings)
+        return settings, rollout
+    rest = {k: v for k, v in data.items() if k != "rollout"}
+    return settings_from_mapping(rest), decode(RolloutSettings, data.get("rollout"), "rollout")
