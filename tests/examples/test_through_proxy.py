@@ -3,6 +3,7 @@ what the store then holds per workflow request."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ async def test_rag_through_the_proxy_records_embed_rerank_chat_in_order(proxy: P
         assert {c["workflow"] for c in calls} == {"rag"}
         assert all(c["status"] == 200 and c["prompt_tokens"] for c in calls)
         # Strictly in sequence: each call starts after the previous one ended.
-        assert all(a["t_end"] <= b["t_start"] for a, b in zip(calls, calls[1:], strict=False))
+        assert all(a["t_end"] <= b["t_start"] for a, b in itertools.pairwise(calls))
 
 
 async def test_beam_through_the_proxy_fans_out_within_each_iteration(proxy: ProxyHandle) -> None:
