@@ -44,7 +44,9 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS].proxy
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    # Idle connections are dropped before the engines drop them (uvicorn: 5 s), so a call is
+    # never sent down a connection the engine is closing (such a call cannot be safely retried).
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
     timeout = aiohttp.ClientTimeout(
         total=s.upstream_timeout_s, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
     )

@@ -74,12 +74,7 @@ _DROP_UPSTREAM = frozenset(
     }
 )
 # Connection failures that prove the engine never started on the call: safe to retry.
-_CONNECT_ERRORS = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ConnectionTimeoutError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-)
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 @dataclass(slots=True)
@@ -226,7 +221,16 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
     tried: list[Replica] = []
     status = 0
     while True:
-        rep = router.pick(call.model, call.prompt, exclude=tried)
+        try:
+            rep = router.pick(call.model, call.prompt, exclude=tried)
+        except NoReplica as exc:
+            # Turned away with no replica to try: the call still reached the proxy, so it is
+            # recorded (upstream null) and counted.
+            rec.upstream, rec.status, rec.error = None, exc.status, f"no replica: {exc.message}"
+            rec.t_end = now_us()
+            recorder.submit(rec)
+            metrics.observe(rec, exc.status)
+            raise
         tried.append(rep)
         rec.upstream = rep.url
         headers = call.headers.copy()
@@ -249,10 +253,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
                     return await relay_stream(request, upstream, rec, call.strip_usage)
                 return await relay_body(upstream, rec)
         except _CONNECT_ERRORS as exc:
-            if rec.status is not None:  # the upstream had answered: not a connect failure
-                rec.error = f"upstream broke the response: {exc}"
-                status = UpstreamFailed.status
-                raise UpstreamFailed("The upstream engine broke the response.") from exc
+            # The connection was never made, so the engine never saw the call: safe to retry.
             router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "connect")
             rec.error = f"connect: {exc.__class__.__name__}: {exc}"
@@ -267,6 +268,10 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             status = UpstreamTimeout.status
             raise UpstreamTimeout("The upstream engine did not answer in time.") from exc
         except aiohttp.ClientError as exc:
+            # The call may have reached the engine: never replayed (it may not be idempotent
+            # in cost, and the client may already hold part of the answer).
+            if rec.status is None:
+                router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "disconnect")
             rec.error = f"upstream: {exc.__class__.__name__}: {exc}"
             status = UpstreamFailed.status
