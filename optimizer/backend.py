@@ -34,6 +34,7 @@ from optimizer.plan import (
     Step,
     make_plan,
 )
+from shared.cluster import Cluster
 
 __all__ = [
     "Backend",
@@ -168,9 +169,12 @@ async def converge(
     backend: Backend,
     target: Sequence[GroupSpec],
     *,
+    cluster: Cluster | None = None,
     allow_outage: bool = False,
     on_step: Callable[[StepResult], None] | None = None,
 ) -> tuple[Plan, list[StepResult]]:
-    """Observe, plan towards ``target``, execute; returns the plan and what each step did."""
-    plan = make_plan(await backend.observe(), target)
+    """Observe, plan towards ``target``, execute; returns the plan and what each step did.
+
+    ``cluster`` lets the plan use spare GPUs for temporary replicas (see ``make_plan``)."""
+    plan = make_plan(await backend.observe(), target, cluster)
     return plan, await execute(plan, backend, allow_outage=allow_outage, on_step=on_step)

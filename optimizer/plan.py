@@ -4,7 +4,8 @@ Role: pure. Given what runs (:class:`Observed`: replicas and the proxies' routes
 (:class:`GroupSpec` values, usually from :func:`target_from_placement`), :func:`make_plan`
 returns a :class:`Plan` of steps ``start``, ``wait_ready``, ``add_route``, ``drain``, ``stop``
 that a backend executes one by one (:mod:`optimizer.backend`). A plan can be printed
-(:meth:`Plan.render`), serialised (:meth:`Plan.to_json`) and dry-run (:func:`dry_run`).
+(:meth:`Plan.render`), serialised (:meth:`Plan.to_json`) and dry-run
+(:func:`optimizer.plan_check.dry_run`).
 
 The unit of starting and stopping is a GPU group: the replicas of one node that share GPUs,
 transitively (one pod on Kubernetes, one MPS daemon locally). Group and replica ids are digests
@@ -16,7 +17,9 @@ Order (make-before-break where the GPUs allow):
 2. start every new group whose GPUs no old group holds, wait for it, route it;
 3. when the remaining new groups all need GPUs old groups hold: pick the one whose blocking old
    groups can go while every model they serve keeps a routed replica elsewhere (fewest blockers
-   first), drain and stop those, then go back to 2; the rest of the replicas carry the traffic;
+   first), drain and stop those, then go back to 2; the rest of the replicas carry the traffic.
+   If every choice would leave a model unserved and a cluster is given, first start a temporary
+   copy of one of its replicas on GPUs no running or target group uses (stopped in 4);
 4. drain and stop the old groups left.
 
 Invariants of a plan: two groups never hold one GPU at once (a new group starts only after every
@@ -37,6 +40,7 @@ from typing import Any, Literal, cast
 import orjson
 
 from optimizer.placement import Placement
+from shared.cluster import Cluster, Gpu
 
 __all__ = [
     "GroupSpec",
@@ -49,7 +53,6 @@ __all__ = [
     "RunningReplica",
     "Step",
     "StepKind",
-    "dry_run",
     "group_specs",
     "make_plan",
     "target_from_placement",
@@ -59,7 +62,7 @@ StepKind = Literal["start", "wait_ready", "add_route", "drain", "stop"]
 
 
 class PlanError(ValueError):
-    """A plan that breaks its invariants against a state (found by :func:`dry_run`)."""
+    """A plan that breaks its invariants against a state (found by ``plan_check.dry_run``)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,7 @@ class Plan:
     kept: tuple[str, ...] = ()
     outages: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    temporary: tuple[GroupSpec, ...] = ()
 
     @property
     def safe(self) -> bool:
@@ -245,7 +249,7 @@ class Plan:
         return not self.steps
 
     def group(self, gid: str) -> GroupSpec:
-        for g in self.target:
+        for g in (*self.target, *self.temporary):
             if g.id == gid:
                 return g
         raise KeyError(gid)
@@ -258,6 +262,8 @@ class Plan:
                 + ("safe" if self.safe else f"UNSAFE: {', '.join(self.outages)} unserved a while"))
         if self.dropped:
             head += f"; stops serving {', '.join(self.dropped)}"
+        if self.temporary:
+            head += f"; {len(self.temporary)} temporary group(s) carry traffic meanwhile"
         lines = [head] + [f"{i:>3}. {s.render()}" for i, s in enumerate(self.steps, 1)]
         return "\n".join(lines)
 
@@ -267,19 +273,20 @@ class Plan:
     @classmethod
     def from_json(cls, data: bytes | str) -> Plan:
         raw = orjson.loads(data)
-        target = tuple(
-            GroupSpec(g["id"], g["node"], tuple(g["gpus"]), tuple(
+
+        def groups(items: list[dict[str, Any]]) -> tuple[GroupSpec, ...]:
+            return tuple(GroupSpec(g["id"], g["node"], tuple(g["gpus"]), tuple(
                 Replica(r["id"], ReplicaSpec(**{**r["spec"], "gpus": tuple(r["spec"]["gpus"])}))
-                for r in g["replicas"]))
-            for g in raw["target"]
-        )
+                for r in g["replicas"])) for g in items)
+
+        target = groups(raw["target"])
         steps = tuple(
             Step(cast(StepKind, s["kind"]), s["group"], s["node"], tuple(s["gpus"]),
                  tuple(s["replicas"]), tuple(s["models"]))
             for s in raw["steps"]
         )
         return cls(target, steps, tuple(raw["kept"]), tuple(raw["outages"]),
-                   tuple(raw["dropped"]))
+                   tuple(raw["dropped"]), groups(raw["temporary"]))
 
 
 @dataclass
@@ -325,27 +332,68 @@ class _Planner:
         for gid, rs in old:
             pairs = [(r.id, r.model) for r in rs if r.id in self.routed[r.model]]
             if pairs:
-                self.emit("drain", gid, rs[0].node, _gpus(rs), pairs)
+                self.emit("drain", gid, rs[0].node, gpus_of(rs), pairs)
             for r in rs:
                 self.routed[r.model].discard(r.id)
         for gid, rs in old:
-            self.emit("stop", gid, rs[0].node, _gpus(rs), [(r.id, r.model) for r in rs])
+            self.emit("stop", gid, rs[0].node, gpus_of(rs), [(r.id, r.model) for r in rs])
 
 
 def _pairs(g: GroupSpec) -> list[tuple[str, str]]:
     return [(r.id, r.spec.model) for r in g.replicas]
 
 
-def _gpus(rs: Sequence[RunningReplica]) -> tuple[int, ...]:
+def gpus_of(rs: Sequence[RunningReplica]) -> tuple[int, ...]:
     return tuple(sorted({g for r in rs for g in r.gpus}))
 
 
 def _overlap(g: GroupSpec, rs: Sequence[RunningReplica]) -> bool:
-    return g.overlaps(rs[0].node, _gpus(rs))
+    return g.overlaps(rs[0].node, gpus_of(rs))
 
 
-def make_plan(observed: Observed, target: Sequence[GroupSpec]) -> Plan:
-    """The steps from ``observed`` to ``target`` (see the module docstring for the order)."""
+def _surge(lost: set[str], blockers: Sequence[tuple[str, tuple[RunningReplica, ...]]],
+           busy: set[tuple[str, int]], cluster: Cluster) -> list[ReplicaSpec]:
+    """Copies of one replica of each ``lost`` model on GPUs no group holds or will hold.
+
+    Same share, memory, tensor-parallel degree and GPU type; a copy's GPUs lie in one NVLink
+    domain; copies may share a GPU within its share and memory. The GPUs used are added to
+    ``busy``. Empty when any copy does not fit.
+    """
+    copies: list[ReplicaSpec] = []
+    load: dict[tuple[str, int], tuple[float, int]] = {}
+    for model in sorted(lost):
+        r = next(r for _, rs in blockers for r in rs if r.model == model)
+        kind = cluster.node(r.node).gpu(r.gpus[0]).type
+
+        def fits(node: str, gpu: Gpu, r: RunningReplica = r, kind: str = kind) -> bool:
+            share, memory = load.get((node, gpu.index), (0.0, 0))
+            return (gpu.type == kind and (node, gpu.index) not in busy
+                    and share + r.share <= 1.0 + 1e-9
+                    and memory + r.memory_bytes_per_gpu <= gpu.memory_bytes)
+
+        nodes = sorted(cluster.nodes, key=lambda n: n.name != r.node)  # its own node first
+        spot = next(((n.name, free[:r.tp]) for n in nodes for d in n.domains
+                     for free in [[g.index for g in d.gpus if fits(n.name, g)]]
+                     if len(free) >= r.tp), None)
+        if spot is None:
+            return []
+        for g in spot[1]:
+            share, memory = load.get((spot[0], g), (0.0, 0))
+            load[(spot[0], g)] = (share + r.share, memory + r.memory_bytes_per_gpu)
+        copies.append(ReplicaSpec(model, spot[0], tuple(spot[1]), r.share,
+                                  r.memory_bytes_per_gpu, r.revision))
+    busy |= set(load)
+    return copies
+
+
+def make_plan(observed: Observed, target: Sequence[GroupSpec], cluster: Cluster | None = None
+              ) -> Plan:
+    """The steps from ``observed`` to ``target`` (see the module docstring for the order).
+
+    With ``cluster``, when the only way on would leave a model unserved, a temporary copy of
+    one of its replicas is started on GPUs neither the running nor the target groups use, and
+    stopped once the new groups are up (``Plan.temporary``).
+    """
     running = observed.groups()
     routed_ids = observed.routed_ids()
     ready_ids = {r.id for r in observed.replicas if r.ready}
@@ -367,10 +415,13 @@ def make_plan(observed: Observed, target: Sequence[GroupSpec]) -> Plan:
 
     pending_new = [g for g in target if g.id not in running]
     pending_old = sorted(((gid, rs) for gid, rs in running.items() if gid not in target_ids),
-                         key=lambda item: (item[1][0].node, _gpus(item[1]), item[0]))
+                         key=lambda item: (item[1][0].node, gpus_of(item[1]), item[0]))
     fresh = {g.id: {r.id for r in g.replicas} for g in pending_new}
     yes = {g.id: True for g in pending_new}
     no = {g.id: False for g in pending_new}
+    busy = {(r.node, g) for r in observed.replicas for g in r.gpus}
+    busy |= {(t.node, g) for t in target for g in t.gpus}
+    temporary: list[GroupSpec] = []
     while pending_new or pending_old:
         free = [g for g in pending_new if not any(_overlap(g, rs) for _, rs in pending_old)]
         if free:
@@ -386,7 +437,19 @@ def make_plan(observed: Observed, target: Sequence[GroupSpec]) -> Plan:
             blockers = [(gid, rs) for gid, rs in pending_old if _overlap(g, rs)]
             lost = planner.lost([r for _, rs in blockers for r in rs], served)
             options.append((len(lost), len(blockers), i, blockers))
-        *_, blockers = min(options, key=lambda o: o[:3])
+        n_lost, _, _, blockers = min(options, key=lambda o: o[:3])
+        lost = planner.lost([r for _, rs in blockers for r in rs], served)
+        copies = _surge(lost, blockers, busy, cluster) if n_lost and cluster else []
+        if copies:
+            surge = group_specs(copies)
+            temporary += surge
+            ids = {g.id: {r.id for r in g.replicas} for g in surge}
+            planner.bring_up(surge, ids, {g.id: True for g in surge}, {g.id: False for g in surge})
+            pending_old += [(g.id, tuple(
+                RunningReplica(r.id, g.id, r.spec.model, g.node, r.spec.gpus, r.spec.share,
+                               r.spec.tp, "", False, r.spec.memory_bytes_per_gpu, r.spec.revision)
+                for r in g.replicas)) for g in surge]
+            continue
         planner.take_down(blockers, served)
         pending_old = [item for item in pending_old if item not in blockers]
 
@@ -397,61 +460,5 @@ def make_plan(observed: Observed, target: Sequence[GroupSpec]) -> Plan:
         tuple(g.id for g in kept),
         tuple(sorted(planner.outages)),
         tuple(sorted(running_models - served)),
+        tuple(temporary),
     )
-
-
-def dry_run(plan: Plan, observed: Observed) -> list[str]:
-    """Walk the plan over a model of the state; one line per step, or :class:`PlanError`.
-
-    Checks: a group starts only on GPUs no present group holds; steps name groups and replicas
-    that exist when they run; a model the target serves keeps a routed replica once it has one
-    (unless the plan declared it in ``outages``); the end state is exactly the target.
-    """
-    held: dict[str, tuple[str, tuple[int, ...]]] = {}
-    members: dict[str, dict[str, str]] = defaultdict(dict)  # group -> replica id -> model
-    for gid, rs in observed.groups().items():
-        held[gid] = (rs[0].node, _gpus(rs))
-        members[gid] = {r.id: r.model for r in rs}
-    routed = set(observed.routed_ids())
-    served = {r.spec.model for g in plan.target for r in g.replicas}
-    lines: list[str] = []
-
-    def count(model: str) -> int:
-        return sum(1 for gid in members for rid, m in members[gid].items()
-                   if m == model and rid in routed)
-
-    for i, step in enumerate(plan.steps, 1):
-        where = f"step {i} ({step.kind} {step.group})"
-        if step.kind == "start":
-            g = plan.group(step.group)
-            clash = [o for o, (node, gpus) in held.items()
-                     if o != g.id and g.overlaps(node, gpus)]
-            if clash:
-                raise PlanError(f"{where}: GPUs still held by group {clash[0]}")
-            held[g.id] = (g.node, g.gpus)
-            members[g.id] = {r.id: r.spec.model for r in g.replicas}
-        elif step.group not in held:
-            raise PlanError(f"{where}: the group is not running")
-        elif step.kind == "add_route":
-            routed |= set(step.replicas)
-        elif step.kind == "drain":
-            before = {m: count(m) for m in step.models}
-            routed -= set(step.replicas)
-            for m in step.models:
-                if m in served and before[m] and not count(m) and m not in plan.outages:
-                    raise PlanError(f"{where}: {m} loses its last routed replica")
-        elif step.kind == "stop":
-            routed -= set(members.pop(step.group, {}))
-            held.pop(step.group)
-        routes = sorted((m, sum(1 for gid in members for rid, mm in members[gid].items()
-                                if mm == m and rid in routed))
-                        for m in served | {m for g in members.values() for m in g.values()})
-        lines.append(f"{i:>3}. {step.render()}  -> routed: "
-                     + ", ".join(f"{m}={n}" for m, n in routes))
-    target = {g.id: {r.id for r in g.replicas} for g in plan.target}
-    if set(held) != set(target):
-        raise PlanError(f"after the plan, groups {sorted(held)} run instead of {sorted(target)}")
-    unrouted = sorted(rid for ids in target.values() for rid in ids if rid not in routed)
-    if unrouted:
-        raise PlanError(f"after the plan, replicas {unrouted} have no route")
-    return lines
