@@ -38,3 +38,31 @@ PROXY_METRICS: tuple[str, ...] = (
     PROXY_RECORDS_DROPPED,
     PROXY_SEGMENTS_WRITTEN,
 )
+
+# Optimizer daemon (DESIGN §3.8-3.9). Gauges unless the name ends in _total or _seconds
+# (search duration is a histogram). Labels: workflow, model; code on counters.
+OPTIMIZER_WORKFLOW_RATE = "scepsy_optimizer_workflow_rate"  # λ_w, requests/s (workflow)
+OPTIMIZER_CALLS_PER_REQUEST = "scepsy_optimizer_calls_per_request"  # n_m (workflow, model)
+OPTIMIZER_PARALLELISM = "scepsy_optimizer_parallelism"  # p_m (workflow, model)
+OPTIMIZER_PREDICTED_LATENCY = "scepsy_optimizer_predicted_latency_seconds"  # L_w (workflow)
+OPTIMIZER_OBSERVED_LATENCY = "scepsy_optimizer_observed_latency_seconds"  # (workflow)
+OPTIMIZER_ALLOCATED_SHARE = "scepsy_optimizer_allocated_gpu_share"  # GPU-equivalents (model)
+OPTIMIZER_REPLICAS = "scepsy_optimizer_replicas"  # replicas allocated (model)
+OPTIMIZER_ROLLOUTS = "scepsy_optimizer_rollouts_total"  # code: ok, failed
+OPTIMIZER_ROLLOUT_DURATION = "scepsy_optimizer_rollout_duration_seconds"  # histogram
+OPTIMIZER_SEARCH_DURATION = "scepsy_optimizer_search_duration_seconds"  # histogram
+OPTIMIZER_DECISIONS = "scepsy_optimizer_decisions_total"  # code: the decision's reason
+
+OPTIMIZER_METRICS: tuple[str, ...] = (
+    OPTIMIZER_WORKFLOW_RATE,
+    OPTIMIZER_CALLS_PER_REQUEST,
+    OPTIMIZER_PARALLELISM,
+    OPTIMIZER_PREDICTED_LATENCY,
+    OPTIMIZER_OBSERVED_LATENCY,
+    OPTIMIZER_ALLOCATED_SHARE,
+    OPTIMIZER_REPLICAS,
+    OPTIMIZER_ROLLOUTS,
+    OPTIMIZER_ROLLOUT_DURATION,
+    OPTIMIZER_SEARCH_DURATION,
+    OPTIMIZER_DECISIONS,
+)

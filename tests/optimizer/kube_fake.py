@@ -12,6 +12,7 @@ play a daemon killed mid-rollout.
 
 from __future__ import annotations
 
+import builtins
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -108,5 +109,5 @@ class FakeKube:
                 {"name": c["name"], "ready": True, "restartCount": 0,
                  "state": {"running": {}}} for c in obj["spec"]["containers"]]}
 
-    def pods(self) -> list[dict[str, Any]]:
+    def pods(self) -> builtins.list[dict[str, Any]]:
         return [o for (k, _, _), o in sorted(self.objects.items()) if k == "Pod"]
