@@ -40,8 +40,8 @@ from optimizer.kube_render import (
     replica_url,
 )
 from optimizer.plan import GroupSpec, Observed, Route, RunningReplica
-from optimizer.settings import RolloutSettings
 from shared.cluster import Cluster
+from shared.rollout_settings import RolloutSettings
 
 __all__ = ["FIELD_MANAGER", "KubeApi", "KubeBackend", "KubernetesApi"]
 

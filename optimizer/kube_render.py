@@ -33,8 +33,8 @@ from typing import Any
 import orjson
 
 from optimizer.plan import GroupSpec, Replica, ReplicaSpec
-from optimizer.settings import KubernetesSettings, ModelServing, RolloutSettings
 from shared.cluster import Cluster
+from shared.rollout_settings import KubernetesSettings, ModelServing, RolloutSettings
 
 __all__ = [
     "ANNOTATION_GROUP",

@@ -24,8 +24,9 @@ from rich.table import Table
 from optimizer.kube_render import render_target
 from optimizer.placement import Placement, PlacementError, ReplicaDemand, place
 from optimizer.plan import GroupSpec, target_from_placement
-from optimizer.settings import AllocationEntry, RolloutSettings, load_with_rollout
 from shared.cluster import GB, Cluster, ClusterError, cluster_from_settings
+from shared.rollout_settings import AllocationEntry, RolloutSettings
+from shared.settings import load_settings
 from shared.settings_schema import SettingsError
 
 HELP = "write the Kubernetes manifests (pods, services, routes) of the configured allocation"
@@ -34,22 +35,27 @@ HELP = "write the Kubernetes manifests (pods, services, routes) of the configure
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True, help="settings YAML file")
     parser.add_argument("--out", type=Path, required=True, help="folder to write manifests to")
-    parser.add_argument("--scenario", help="a named allocation of rollout.scenarios "
-                        "(default: rollout.allocation)")
+    parser.add_argument(
+        "--scenario", help="a named allocation of rollout.scenarios (default: rollout.allocation)"
+    )
 
 
-def demands(rollout: RolloutSettings, allocation: tuple[AllocationEntry, ...]
-            ) -> list[ReplicaDemand]:
+def demands(
+    rollout: RolloutSettings, allocation: tuple[AllocationEntry, ...]
+) -> list[ReplicaDemand]:
     """One placement demand per replica of the allocation (memory in proportion to share)."""
     return [
-        ReplicaDemand(e.workflow, e.model, e.tp, e.share, None,
-                      rollout.model(e.model).min_memory_bytes)
-        for e in allocation for _ in range(e.replicas)
+        ReplicaDemand(
+            e.workflow, e.model, e.tp, e.share, None, rollout.model(e.model).min_memory_bytes
+        )
+        for e in allocation
+        for _ in range(e.replicas)
     ]
 
 
-def target_for(cluster: Cluster, rollout: RolloutSettings, scenario: str | None
-               ) -> tuple[Placement, tuple[GroupSpec, ...]]:
+def target_for(
+    cluster: Cluster, rollout: RolloutSettings, scenario: str | None
+) -> tuple[Placement, tuple[GroupSpec, ...]]:
     """Place the allocation called ``scenario`` and group it; raises on misfit."""
     allocation = rollout.scenario(scenario)
     if not allocation:
@@ -65,9 +71,15 @@ def _table(target: tuple[GroupSpec, ...]) -> Table:
         out.add_column(col)
     for g in target:
         for r in g.replicas:
-            out.add_row(g.id, g.node, ",".join(map(str, r.spec.gpus)), r.spec.model,
-                        str(r.spec.tp), f"{r.spec.share:.0%}",
-                        f"{r.spec.memory_bytes_per_gpu / GB:.1f}")
+            out.add_row(
+                g.id,
+                g.node,
+                ",".join(map(str, r.spec.gpus)),
+                r.spec.model,
+                str(r.spec.tp),
+                f"{r.spec.share:.0%}",
+                f"{r.spec.memory_bytes_per_gpu / GB:.1f}",
+            )
     return out
 
 
@@ -79,15 +91,19 @@ def write_manifests(objects: list[dict[str, Any]], out: Path) -> list[Path]:
         path = out / f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
         path.write_text(yaml.safe_dump(obj, sort_keys=False))
         paths.append(path)
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": [p.name for p in paths]}
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [p.name for p in paths],
+    }
     (out / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
     return paths
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        settings, rollout = load_with_rollout(args.config)
+        settings = load_settings(args.config)
+        rollout = settings.rollout
         cluster = cluster_from_settings(settings.cluster)
         _, target = target_for(cluster, rollout, args.scenario)
         objects = render_target(target, rollout, cluster)
@@ -101,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     console = Console()
     console.print(_table(target))
-    console.print(f"wrote {len(paths)} objects and kustomization.yaml to {args.out} "
-                  f"(apply with: kubectl apply --server-side -k {args.out})")
+    console.print(
+        f"wrote {len(paths)} objects and kustomization.yaml to {args.out} "
+        f"(apply with: kubectl apply --server-side -k {args.out})"
+    )
     return 0

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from shared.cluster import ClusterSettings
+from shared.rollout_settings import RolloutSettings
 from shared.settings_schema import SettingsError, decode, describe, setting
 
 __all__ = [
@@ -194,6 +195,9 @@ class Settings:
     store: StoreSettings = setting(factory=StoreSettings, doc="the trace store")
     cluster: ClusterSettings = setting(
         factory=ClusterSettings, doc="the GPU cluster: nodes, NVLink domains, GPUs"
+    )
+    rollout: RolloutSettings = setting(
+        factory=RolloutSettings, doc="how models are served and rolled out"
     )
 
 

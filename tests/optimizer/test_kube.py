@@ -17,8 +17,9 @@ from optimizer.kube import KubeBackend
 from optimizer.kube_render import render_target
 from optimizer.plan import GroupSpec, Observed, make_plan
 from optimizer.render_cmd import target_for
-from optimizer.settings import RolloutSettings, load_with_rollout
 from shared.cluster import GB, Cluster, cluster_from_settings
+from shared.rollout_settings import RolloutSettings
+from shared.settings import load_settings
 from shared.settings_schema import decode
 from tests.optimizer.kube_fake import Crash, FakeKube
 
@@ -27,13 +28,15 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
 
 @pytest.fixture(scope="module")
 def example() -> tuple[Cluster, RolloutSettings]:
-    settings, rollout = load_with_rollout(EXAMPLE)
+    settings = load_settings(EXAMPLE)
+    rollout = settings.rollout
     return cluster_from_settings(settings.cluster), rollout
 
 
 def fast(rollout: RolloutSettings) -> RolloutSettings:
-    kube = dataclasses.replace(rollout.kubernetes, poll_interval_s=1.0, ready_timeout_s=30.0,
-                               delete_timeout_s=30.0)
+    kube = dataclasses.replace(
+        rollout.kubernetes, poll_interval_s=1.0, ready_timeout_s=30.0, delete_timeout_s=30.0
+    )
     return dataclasses.replace(rollout, drain_s=5.0, kubernetes=kube)
 
 
@@ -56,21 +59,27 @@ class Clock:
         return self.now
 
 
-def backend(api: FakeKube, rollout: RolloutSettings, cluster: Cluster, clock: Clock
-            ) -> KubeBackend:
+def backend(api: FakeKube, rollout: RolloutSettings, cluster: Cluster, clock: Clock) -> KubeBackend:
     return KubeBackend(api, fast(rollout), cluster, sleep=clock.sleep, clock=clock.time)
 
 
 def test_render_of_the_example_validates_against_kubernetes_1_32(
-        example: tuple[Cluster, RolloutSettings], tmp_path: Path) -> None:
+    example: tuple[Cluster, RolloutSettings], tmp_path: Path
+) -> None:
     for scenario in (None, "rag_x3"):
         out = tmp_path / (scenario or "default")
-        assert cli.main(["render", "--config", str(EXAMPLE), "--out", str(out)]
-                        + (["--scenario", scenario] if scenario else [])) == 0
+        assert (
+            cli.main(
+                ["render", "--config", str(EXAMPLE), "--out", str(out)]
+                + (["--scenario", scenario] if scenario else [])
+            )
+            == 0
+        )
         files = sorted(out.glob("*.yaml"))
         kustomization = yaml.safe_load((out / "kustomization.yaml").read_text())
         assert sorted(kustomization["resources"]) == sorted(
-            f.name for f in files if f.name != "kustomization.yaml")
+            f.name for f in files if f.name != "kustomization.yaml"
+        )
         kinds = []
         for f in files:
             if f.name == "kustomization.yaml":
@@ -82,31 +91,40 @@ def test_render_of_the_example_validates_against_kubernetes_1_32(
 
 
 def test_rendered_pods_carry_placement_mps_limits_and_node(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     _, target = target_for(cluster, rollout, None)
     objects = render_target(target, rollout, cluster)
     shared = next(g for g in target if len(g.replicas) == 2)
-    pod = next(o for o in objects if o["kind"] == "Pod"
-               and o["metadata"]["labels"]["scepsy.io/group"] == shared.id)
+    pod = next(
+        o
+        for o in objects
+        if o["kind"] == "Pod" and o["metadata"]["labels"]["scepsy.io/group"] == shared.id
+    )
     assert pod["spec"]["nodeSelector"] == {"kubernetes.io/hostname": shared.node}
     (daemon,) = pod["spec"]["initContainers"]
     assert daemon["restartPolicy"] == "Always"
     assert daemon["resources"]["limits"]["nvidia.com/gpu"] == str(len(shared.gpus))
-    for k, (container, replica) in enumerate(zip(pod["spec"]["containers"], shared.replicas,
-                                                 strict=True)):
+    for k, (container, replica) in enumerate(
+        zip(pod["spec"]["containers"], shared.replicas, strict=True)
+    ):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(round(replica.spec.share * 100))
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == (
-            f"0={replica.spec.memory_bytes_per_gpu >> 20}M")
+            f"0={replica.spec.memory_bytes_per_gpu >> 20}M"
+        )
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/pipe"
         assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(map(str, shared.gpus))
         assert "resources" not in container  # the daemon holds the GPUs
         assert container["ports"][0]["containerPort"] == 8000 + k
         assert "--gpu-memory-utilization" in container["command"]
     tp2 = next(g for g in target if len(g.gpus) == 2)
-    pod2 = next(o for o in objects if o["kind"] == "Pod"
-                and o["metadata"]["labels"]["scepsy.io/group"] == tp2.id)
+    pod2 = next(
+        o
+        for o in objects
+        if o["kind"] == "Pod" and o["metadata"]["labels"]["scepsy.io/group"] == tp2.id
+    )
     assert "initContainers" not in pod2["spec"]
     (engine,) = pod2["spec"]["containers"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
@@ -118,7 +136,8 @@ def test_rendered_pods_carry_placement_mps_limits_and_node(
 
 
 def test_apply_twice_changes_nothing_the_second_time(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     _, target = target_for(cluster, rollout, None)
     api = FakeKube()
@@ -129,8 +148,10 @@ def test_apply_twice_changes_nothing_the_second_time(
 
 
 def emulated(rollout: RolloutSettings) -> RolloutSettings:
-    models = tuple(dataclasses.replace(m, engine="emulator", source=None, extra_args=())
-                   for m in rollout.models)
+    models = tuple(
+        dataclasses.replace(m, engine="emulator", source=None, extra_args=())
+        for m in rollout.models
+    )
     return dataclasses.replace(rollout, models=models)
 
 
@@ -139,7 +160,8 @@ def served(history: Sequence[Sequence[tuple[str, str]]]) -> list[set[str]]:
 
 
 async def test_converge_rolls_out_then_shifts_without_losing_a_model(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     api = FakeKube(graceful=True)
     clock = Clock(api)
@@ -174,9 +196,13 @@ async def test_converge_rolls_out_then_shifts_without_losing_a_model(
 def assert_running(api: FakeKube, target: Sequence[GroupSpec]) -> None:
     pods = api.pods()
     assert sorted(p["metadata"]["labels"]["scepsy.io/group"] for p in pods) == sorted(
-        g.id for g in target)
-    held = [(p["spec"]["nodeSelector"]["kubernetes.io/hostname"], g)
-            for p in pods for g in _annotation_gpus(p)]
+        g.id for g in target
+    )
+    held = [
+        (p["spec"]["nodeSelector"]["kubernetes.io/hostname"], g)
+        for p in pods
+        for g in _annotation_gpus(p)
+    ]
     assert len(held) == len(set(held)), "two pods hold one GPU"
     services = [k for k in api.objects if k[0] == "Service"]
     assert len(services) == sum(len(g.replicas) for g in target)
@@ -185,13 +211,16 @@ def assert_running(api: FakeKube, target: Sequence[GroupSpec]) -> None:
 
 
 def _annotation_gpus(pod: dict[str, Any]) -> list[int]:
-    return [int(g) for g in yaml.safe_load(pod["metadata"]["annotations"]["scepsy.io/group-spec"])
-            ["gpus"]]
+    return [
+        int(g)
+        for g in yaml.safe_load(pod["metadata"]["annotations"]["scepsy.io/group-spec"])["gpus"]
+    ]
 
 
 @pytest.mark.parametrize("crash_after", [1, 4, 9, 15])
 async def test_a_rollout_killed_half_way_converges_when_run_again(
-        example: tuple[Cluster, RolloutSettings], crash_after: int) -> None:
+    example: tuple[Cluster, RolloutSettings], crash_after: int
+) -> None:
     cluster, rollout = example
     rollout = emulated(rollout)
     api = FakeKube(graceful=True)
@@ -214,7 +243,8 @@ async def test_a_rollout_killed_half_way_converges_when_run_again(
 
 
 async def test_executing_a_finished_plan_again_skips_every_step(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     api = FakeKube()
     clock = Clock(api)
@@ -228,7 +258,8 @@ async def test_executing_a_finished_plan_again_skips_every_step(
 
 
 async def test_wait_ready_times_out_naming_the_waiting_containers(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     api = FakeKube()
     clock = Clock(api, kubelet=False)
@@ -240,7 +271,8 @@ async def test_wait_ready_times_out_naming_the_waiting_containers(
 
 
 async def test_stop_refuses_objects_without_the_owner_labels(
-        example: tuple[Cluster, RolloutSettings]) -> None:
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
     cluster, rollout = example
     api = FakeKube()
     clock = Clock(api)
@@ -255,11 +287,19 @@ async def test_stop_refuses_objects_without_the_owner_labels(
 
 
 async def test_unsafe_plans_are_refused() -> None:
-    narrow = decode(RolloutSettings, {
-        "models": [{"name": "a"}, {"name": "b"}],
-        "allocation": [{"model": "a"}],
-        "scenarios": [{"name": "both", "allocation": [{"model": "a", "share": 0.5},
-                                                      {"model": "b", "share": 0.5}]}]})
+    narrow = decode(
+        RolloutSettings,
+        {
+            "models": [{"name": "a"}, {"name": "b"}],
+            "allocation": [{"model": "a"}],
+            "scenarios": [
+                {
+                    "name": "both",
+                    "allocation": [{"model": "a", "share": 0.5}, {"model": "b", "share": 0.5}],
+                }
+            ],
+        },
+    )
     small = Cluster.uniform(1, 1, 1, "a6000", 48 * GB)  # one GPU: no room to surge
     api = FakeKube()
     kb = backend(api, narrow, small, Clock(api))

@@ -1,4 +1,4 @@
-"""The optimizer's settings sections: ``rollout:`` (how models are served and rolled out).
+"""The ``rollout:`` settings section (how models are served and rolled out).
 
 Role: the schema of what the rollout needs beyond the cluster: per model, the engine that serves
 it, where its weights come from and the least memory it needs; an explicit allocation (replicas,
@@ -10,26 +10,17 @@ Invariants: decoded once by :func:`shared.settings_schema.decode`, frozen afterw
 value raises :class:`SettingsError` naming its key path relative to ``rollout``; every model an
 allocation names is listed in ``models``; names that end up in Kubernetes object names are
 DNS-1123 labels.
-
-Until the root settings gain the section (``rollout: RolloutSettings`` in
-:class:`shared.settings.Settings`), :func:`load_with_rollout` reads the file, decodes
-``rollout`` here and the rest with the root schema.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
-
-import yaml
+from typing import Literal
 
 from shared.cluster import GB
-from shared.settings import Settings, settings_from_mapping
-from shared.settings_schema import SettingsError, decode, setting
+from shared.settings_schema import SettingsError, setting
 
 __all__ = [
     "AllocationEntry",
@@ -38,7 +29,6 @@ __all__ = [
     "ModelServing",
     "RolloutSettings",
     "Scenario",
-    "load_with_rollout",
 ]
 
 Engine = Literal["vllm", "sglang", "emulator"]
@@ -225,30 +215,3 @@ class RolloutSettings:
                 return sc.allocation
         known = ", ".join(sc.name for sc in self.scenarios) or "none"
         raise SettingsError("rollout.scenarios", f"no scenario {name!r} (known: {known})")
-
-
-def _hooked() -> bool:
-    return "rollout" in {f.name for f in dataclasses.fields(Settings)}
-
-
-def load_with_rollout(path: str | Path) -> tuple[Settings, RolloutSettings]:
-    """Read one settings file: the root settings and its ``rollout`` section."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SettingsError("", f"cannot read settings file {path}: {exc.strerror}") from exc
-    try:
-        data: Any = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SettingsError("", f"{path} is not valid YAML: {exc}") from exc
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise SettingsError("", f"{path}: expected a mapping at the top level")
-    if _hooked():
-        settings = settings_from_mapping(data)
-        rollout = getattr(settings, "rollout")  # noqa: B009 - only present once hooked in
-        assert isinstance(rollout, RolloutSettings)
-        return settings, rollout
-    rest = {k: v for k, v in data.items() if k != "rollout"}
-    return settings_from_mapping(rest), decode(RolloutSettings, data.get("rollout"), "rollout")
