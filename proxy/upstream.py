@@ -1,0 +1,296 @@
+"""A lean keep-alive HTTP/1.1 client for the proxy's calls to engine replicas.
+
+Role: send one request to an engine (vLLM/SGLang behind uvicorn) and hand back its response
+head and body pieces, with pooled connections per ``(host, port)``. It replaces
+``aiohttp.ClientSession`` on the proxy's hot path, where that costs about a quarter of the
+proxy's CPU per call; it speaks only what engines speak: plain ``http``, ``Content-Length``
+or chunked bodies (SSE), or bodies that end when the connection closes.
+
+Invariants:
+- one connection carries one exchange at a time; it returns to the pool only when its
+  response was received in full, the server allowed keep-alive and nothing arrived after the
+  response; anything else (cancellation, an unread body, a malformed or over-long answer,
+  stray bytes) closes it, so no byte of one exchange can ever reach another;
+- failures before any response byte are :class:`UpstreamConnectError` (the engine never
+  answered: safe to retry elsewhere); a reused pooled connection failing that way is retried
+  once on a fresh connection before the caller sees anything; failures after a response byte
+  are :class:`UpstreamProtocolError`; silence past ``read_timeout_s`` or an exchange past
+  ``total_timeout_s`` is :class:`TimeoutError`;
+- each connection owns at most one timer handle, re-armed only when it fires, serving the
+  read, total and idle timeouts alike; each wait is one future, woken by the protocol;
+- at most ``_HIGH_WATER`` bytes of unread body are buffered before reading pauses, and
+  reading resumes once the consumer has taken them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from types import TracebackType
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDictProxy
+
+from proxy.upstream_wire import (
+    DONE,
+    HEAD,
+    Connection,
+    Target,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+)
+
+__all__ = [
+    "UpstreamClient",
+    "UpstreamConnectError",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+]
+
+# Headers the client writes itself; a caller's copy would contradict the framing.
+_RESERVED = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+_MAX_CACHED_LINES = 1024
+
+
+class _Body:
+    """``async for piece in response.iter_any()``: whatever arrived since the last piece."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        while True:
+            if conn.pieces:
+                return conn.take()
+            if conn.body_done:
+                raise StopAsyncIteration
+            if conn.exc is not None:
+                raise conn.exc
+            await conn.wait()
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; the body is read with :meth:`read` or
+    :meth:`iter_any`, and :meth:`release` (or leaving ``async with``) ends the exchange."""
+
+    __slots__ = ("_body", "_client", "_conn", "_released", "headers", "reason", "status")
+
+    def __init__(
+        self,
+        client: UpstreamClient,
+        conn: Connection,
+        status: int,
+        reason: str,
+        headers: CIMultiDictProxy[str],
+    ) -> None:
+        self._client = client
+        self._conn = conn
+        self._released = False
+        self._body: bytes | None = None
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+
+    async def read(self) -> bytes:
+        """The whole body, de-chunked (read once; later calls return the same bytes)."""
+        if self._body is not None:
+            return self._body
+        conn = self._conn
+        if conn.body_done:  # the usual JSON answer: it came with its head
+            body = conn.take() if conn.pieces else b""
+        else:
+            body = b"".join([piece async for piece in _Body(conn)])
+        self._body = body
+        return body
+
+    def iter_any(self) -> AsyncIterator[bytes]:
+        """Body pieces as they arrive, de-chunked; ends at the end of the body."""
+        return _Body(self._conn)
+
+    def release(self) -> None:
+        """Back to the pool when the body was received in full; otherwise close the
+        connection (an engine aborts a request whose connection closes)."""
+        if not self._released:
+            self._released = True
+            self._client._release(self._conn)
+
+    def close(self) -> None:
+        """Close the connection whatever state the body is in."""
+        self._released = True
+        self._conn.close()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class UpstreamClient:
+    """Pooled HTTP/1.1 connections to engine replicas, one event loop's worth."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 300.0,
+        total_timeout_s: float = 600.0,
+        idle_timeout_s: float = 30.0,
+        max_idle_per_host: int = 1024,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.total_timeout_s = total_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self._targets: dict[str, Target] = {}
+        self._lines: dict[tuple[str, str], bytes] = {}
+        self._conns: set[Connection] = set()
+        self._closed = False
+        self._all_gone: asyncio.Future[None] | None = None
+
+    async def request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+    ) -> UpstreamResponse:
+        """Send ``method path`` to ``base_url`` and return once the response head is in.
+
+        Raises :class:`UpstreamConnectError` when no response byte came back (connect
+        refused or timed out, connection closed unanswered), :class:`UpstreamProtocolError`
+        for a malformed or cut response head, :class:`TimeoutError` for a silent engine and
+        ``ValueError`` for a URL other than ``http://host[:port]`` or a header holding a line
+        break. Cancellation closes the connection.
+        """
+        if self._closed:
+            raise RuntimeError("UpstreamClient is closed")
+        target = self._targets.get(base_url) or self._target(base_url)
+        line = self._lines.get((method, path)) or self._line(method, path)
+        head = b"%s%s%sContent-Length: %d\r\n\r\n" % (
+            line,
+            target.host_line,
+            _encode_headers(headers),
+            len(body),
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout_s
+        idle = target.idle
+        if idle:
+            conn = idle.pop()
+            conn.pooled = False
+            try:
+                return await self._exchange(conn, head, body, method, deadline)
+            except UpstreamConnectError:
+                pass  # closed by the server while idle: once more, on a fresh connection
+        conn = await self._connect(target, deadline)
+        return await self._exchange(conn, head, body, method, deadline)
+
+    async def close(self) -> None:
+        """Close every connection, pooled or in use, and wait until they are gone."""
+        self._closed = True
+        for target in self._targets.values():
+            while target.idle:
+                target.idle.pop().pooled = False
+        if not self._conns:
+            return
+        self._all_gone = asyncio.get_running_loop().create_future()
+        for conn in list(self._conns):
+            conn.close()
+        await self._all_gone
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _target(self, base_url: str) -> Target:
+        url = urlsplit(base_url)
+        if url.scheme != "http":
+            raise ValueError(f"only http:// upstreams are supported, not {base_url!r}")
+        if not url.hostname or url.path not in ("", "/") or url.query or url.username:
+            raise ValueError(f"upstream URL must be http://host[:port], not {base_url!r}")
+        port = url.port or 80
+        host = url.hostname
+        shown = f"[{host}]" if ":" in host else host
+        host_line = f"Host: {shown}:{port}\r\n".encode("latin-1")
+        target = Target(host, port, host_line)
+        self._targets[base_url] = target
+        return target
+
+    def _line(self, method: str, path: str) -> bytes:
+        if not method.isalpha() or not path.startswith("/") or any(c in path for c in " \r\n"):
+            raise ValueError(f"bad request line: {method!r} {path!r}")
+        if len(self._lines) >= _MAX_CACHED_LINES:
+            self._lines.clear()
+        line = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
+        self._lines[(method, path)] = line
+        return line
+
+    async def _connect(self, target: Target, deadline: float) -> Connection:
+        loop = asyncio.get_running_loop()
+        at = min(loop.time() + self.connect_timeout_s, deadline)
+        where = f"{target.host}:{target.port}"
+        try:
+            async with asyncio.timeout_at(at):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(loop, target, self._lost), target.host, target.port
+                )
+        except TimeoutError as exc:
+            raise UpstreamConnectError(f"connect to {where} timed out") from exc
+        except OSError as exc:
+            raise UpstreamConnectError(f"connect to {where} failed: {exc}") from exc
+        self._conns.add(conn)
+        if self._closed:  # closed while connecting
+            conn.close()
+            raise UpstreamConnectError("UpstreamClient closed while connecting")
+        return conn
+
+    async def _exchange(
+        self, conn: Connection, head: bytes, body: bytes, method: str, deadline: float
+    ) -> UpstreamResponse:
+        conn.send(head, body, method == "HEAD", self.read_timeout_s, deadline)
+        while conn.state == HEAD and conn.exc is None:
+            await conn.wait()
+        if conn.exc is not None and conn.state == HEAD:
+            conn.close()
+            raise conn.exc
+        assert conn.headers is not None
+        return UpstreamResponse(self, conn, conn.status, conn.reason, conn.headers)
+
+    def _release(self, conn: Connection) -> None:
+        if conn.state != DONE or not conn.keep_alive or conn.closing or self._closed:
+            conn.close()
+            return
+        idle = conn.target.idle
+        if len(idle) >= self.max_idle_per_host:
+            conn.close()
+            return
+        conn.park(self.idle_timeout_s)
+        idle.append(conn)
+
+    def _lost(self, conn: Connection) -> None:
+        """Called by a connection once closed: forget it (and wake :meth:`close`)."""
+        self._conns.discard(conn)
+        if not self._conns and self._all_gone is not None and not self._all_gone.done():
+            self._all_gone.set_result(None)
+
+
+def _encode_headers(headers: Iterable[tuple[str, str]]) -> bytes:
+    """``Name: value\\r\\n`` lines, latin-1; a line break inside a header is refused (it would
+    let a header smuggle another one, or a second request)."""
+    lines = [f"{k}: {v}\r\n" for k, v in headers if k.lower() not in _RESERVED]
+    text = "".join(lines)
+    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
+        raise ValueError("header names and values must not contain line breaks")
+    return text.encode("latin-1")

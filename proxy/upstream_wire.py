@@ -1,0 +1,409 @@
+"""One upstream HTTP/1.1 connection: an ``asyncio.Protocol`` that parses responses as bytes
+arrive, for :mod:`proxy.upstream`.
+
+Role: write a request, parse the response head (``bytes.find`` over the received bytes), then
+de-frame the body (``Content-Length``, chunked with extensions and trailers, or until close)
+into pieces a consumer takes; keep the read, total and idle timeouts with one timer handle.
+
+Invariants:
+- ``state`` moves IDLE → HEAD → body state → DONE → IDLE (back in the pool) and never skips
+  the parse: bytes arriving in IDLE or DONE (a server talking out of turn, a pipelined extra
+  response) are dropped and the connection is marked not reusable;
+- ``exc`` is set at most once per exchange, by the first failure (timeout, malformed bytes,
+  loss of the connection); pieces that arrived before it are still handed out first;
+- ``wait`` is the only suspension point; a cancelled wait closes the connection, so a
+  half-read exchange can never be pooled;
+- while more than ``HIGH_WATER`` bytes wait unread, reading is paused (and the read timeout
+  does not run: the silence is ours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import cast
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+IDLE, HEAD, LENGTH, CHUNK_SIZE, CHUNK_DATA, CHUNK_CRLF, TRAILER, EOF, DONE = range(9)
+HIGH_WATER = 1 << 20  # unread body bytes before reading pauses
+_MAX_HEAD = 64 * 1024
+_MAX_LINE = 8 * 1024  # a chunk-size line or a trailer line
+_SLACK = 0.001  # timers may fire up to the loop's clock resolution early
+_HEX = b"0123456789abcdefABCDEF"
+
+
+class UpstreamConnectError(ConnectionError):
+    """No response byte came back: refused, connect timeout, or closed or reset unanswered.
+    The engine never answered, so the call is safe to retry on another replica."""
+
+
+class UpstreamProtocolError(Exception):
+    """A malformed response, or the connection lost after the response had begun."""
+
+
+class Target:
+    """One upstream ``(host, port)``: its ``Host`` line and its idle connections (LIFO)."""
+
+    __slots__ = ("host", "host_line", "idle", "port")
+
+    def __init__(self, host: str, port: int, host_line: bytes) -> None:
+        self.host = host
+        self.port = port
+        self.host_line = host_line
+        self.idle: deque[Connection] = deque()
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection, carrying one exchange at a time."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, target: Target, on_lost: Callable[[Connection], None]
+    ) -> None:
+        self.loop = loop
+        self.target = target
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self.state = IDLE
+        self.rest = b""  # received bytes not parsed yet (a partial head or framing line)
+        self.pieces: list[bytes] = []
+        self.buffered = 0
+        self.paused = False
+        self.body_done = False
+        self.keep_alive = True
+        self.closing = False
+        self.pooled = False
+        self.got_bytes = False
+        self.is_head = False
+        self.remaining = 0
+        self.exc: BaseException | None = None
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        self.last_rx = 0.0
+        self.deadline = 0.0
+        self.read_timeout = 0.0
+        self.idle_since = 0.0
+        self.idle_timeout = 0.0
+
+    # -- the consumer's side -------------------------------------------------------------
+
+    def send(
+        self, head: bytes, body: bytes, is_head: bool, read_timeout: float, deadline: float
+    ) -> None:
+        """Start an exchange: write the request and arm the read/total timeout."""
+        transport = self.transport
+        if self.closing or transport is None or transport.is_closing():
+            self.close()
+            raise UpstreamConnectError("connection closed before the request was sent")
+        self.state = HEAD
+        self.body_done = False
+        self.keep_alive = True
+        self.got_bytes = False
+        self.is_head = is_head
+        self.exc = None
+        self.headers = None
+        if len(body) <= 65536:
+            transport.write(head + body)  # one segment for the usual small JSON call
+        else:
+            transport.write(head)
+            transport.write(body)
+        now = self.loop.time()
+        self.last_rx = now
+        self.read_timeout = read_timeout
+        self.deadline = deadline
+        self._arm(min(now + read_timeout, deadline))
+
+    async def wait(self) -> None:
+        """Until the protocol has news (bytes, end, failure); cancellation closes."""
+        fut = self.loop.create_future()
+        self.waiter = fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.waiter = None
+            self.close()
+            raise
+
+    def take(self) -> bytes:
+        """Every piece received and not yet taken, as one bytes object."""
+        pieces = self.pieces
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self.buffered = 0
+        if self.paused:
+            self.paused = False
+            self.last_rx = self.loop.time()
+            if self.transport is not None:
+                self.transport.resume_reading()
+        return data
+
+    def park(self, idle_timeout: float) -> None:
+        """Back in the pool after a complete exchange."""
+        self.state = IDLE
+        self.pieces.clear()
+        self.buffered = 0
+        self.pooled = True
+        now = self.loop.time()
+        self.idle_since = now
+        self.idle_timeout = idle_timeout
+        self._arm(now + idle_timeout)
+
+    def close(self) -> None:
+        """Close now (idempotent); an unfinished exchange fails with a protocol error."""
+        if self.pooled:
+            self.pooled = False
+            self.target.idle.remove(self)
+        if self.closing:
+            return
+        self.closing = True
+        self.keep_alive = False
+        if self.exc is None and self.state not in (IDLE, DONE):
+            self.exc = UpstreamProtocolError("upstream connection closed by the proxy")
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.closing = True
+        if self.pooled:
+            self.pooled = False
+            self.target.idle.remove(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        state = self.state
+        err: BaseException | None = None
+        if state == HEAD:
+            why = f": {exc}" if exc else ""
+            if self.got_bytes:
+                err = UpstreamProtocolError(f"upstream connection lost in the response head{why}")
+            else:
+                err = UpstreamConnectError(f"upstream closed the connection unanswered{why}")
+        elif state == EOF and exc is None:
+            self._finish()  # a body without length ends with its connection
+        elif state not in (IDLE, DONE):
+            why = f": {exc}" if exc else ""
+            err = UpstreamProtocolError(f"upstream connection lost mid-response{why}")
+        if err is not None and self.exc is None:
+            self.exc = err
+        self._wake()
+        self.on_lost(self)
+
+    def data_received(self, data: bytes) -> None:
+        state = self.state
+        if state == IDLE or state == DONE or self.closing:
+            # Out of turn: never parse it into an exchange; this connection is done for.
+            self.keep_alive = False
+            if state == IDLE:
+                self.close()
+            return
+        self.last_rx = self.loop.time()
+        self.got_bytes = True
+        if self.rest:
+            data = self.rest + data
+            self.rest = b""
+        try:
+            self._feed(data)
+        except (UpstreamProtocolError, ValueError) as exc:
+            self._fail(
+                exc if isinstance(exc, UpstreamProtocolError) else UpstreamProtocolError(str(exc))
+            )
+            return
+        if self.state != HEAD:
+            self._wake()
+
+    # -- parsing -------------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        pos = 0
+        n = len(data)
+        while pos < n:
+            state = self.state
+            if state == LENGTH or state == CHUNK_DATA:
+                take = min(self.remaining, n - pos)
+                self._push(data if take == n else data[pos : pos + take])
+                pos += take
+                self.remaining -= take
+                if not self.remaining:
+                    if state == LENGTH:
+                        self._finish()
+                    else:
+                        self.state = CHUNK_CRLF
+            elif state == CHUNK_SIZE:
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    return self._keep(data, pos, _MAX_LINE, "chunk-size line")
+                line = data[pos:eol]
+                semi = line.find(b";")  # chunk extensions: ignored
+                size_hex = (line[:semi] if semi >= 0 else line).strip(b" \t")
+                if not size_hex or size_hex.lstrip(_HEX):
+                    raise UpstreamProtocolError(f"malformed chunk size {line[:40]!r}")
+                size = int(size_hex, 16)
+                pos = eol + 2
+                if size:
+                    self.remaining = size
+                    self.state = CHUNK_DATA
+                else:
+                    self.state = TRAILER
+            elif state == CHUNK_CRLF:
+                if n - pos < 2:
+                    return self._keep(data, pos, 2, "chunk end")
+                if data[pos : pos + 2] != b"\r\n":
+                    raise UpstreamProtocolError("chunk data not followed by CRLF")
+                pos += 2
+                self.state = CHUNK_SIZE
+            elif state == HEAD:
+                end = data.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    return self._keep(data, pos, _MAX_HEAD, "response head")
+                self._parse_head(data[pos:end])
+                pos = end + 4
+            elif state == TRAILER:
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    return self._keep(data, pos, _MAX_LINE, "trailer line")
+                if eol == pos:
+                    self._finish()
+                pos = eol + 2  # a trailer field: dropped (engines send none)
+            elif state == EOF:
+                self._push(data if pos == 0 else data[pos:])
+                return
+            else:  # DONE: bytes after the response (a pipelined extra): not ours to parse
+                self.keep_alive = False
+                return
+        return
+
+    def _keep(self, data: bytes, pos: int, limit: int, what: str) -> None:
+        if n_left := len(data) - pos:
+            if n_left > limit:
+                raise UpstreamProtocolError(f"{what} longer than {limit} bytes")
+            self.rest = data[pos:] if pos else data
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        version = parts[0]
+        if (
+            len(parts) < 2
+            or version not in ("HTTP/1.1", "HTTP/1.0")
+            or len(parts[1]) != 3
+            or not parts[1].isdecimal()
+        ):
+            raise UpstreamProtocolError(f"malformed status line {lines[0][:100]!r}")
+        status = int(parts[1])
+        if status < 200:
+            if status < 100 or status == 101:
+                raise UpstreamProtocolError(f"unexpected status {status}")
+            return  # interim (100 Continue, 103 Early Hints): the final head follows
+        fields: list[tuple[str, str]] = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name[0] in " \t" or name[-1] in " \t":
+                raise UpstreamProtocolError(f"malformed header line {line[:100]!r}")
+            fields.append((name, value.strip(" \t")))
+        headers = CIMultiDictProxy(CIMultiDict(fields))
+        self.status = status
+        self.reason = parts[2] if len(parts) > 2 else ""
+        self.headers = headers
+        keep = version == "HTTP/1.1"
+        connection = headers.get("Connection")
+        if connection is not None:
+            tokens = connection.lower()
+            if "close" in tokens:
+                keep = False
+            elif "keep-alive" in tokens:
+                keep = True
+        self.keep_alive = keep
+        lengths = headers.getall("Content-Length", [])
+        te = headers.get("Transfer-Encoding")
+        if self.is_head or status == 204 or status == 304:
+            self._finish()
+        elif te is not None:
+            if lengths:  # both framings: trust chunked, but never reuse this connection
+                self.keep_alive = False
+            if te.lower().rstrip(" \t").endswith("chunked"):
+                self.state = CHUNK_SIZE
+            else:
+                self.state = EOF
+                self.keep_alive = False
+        elif lengths:
+            value = lengths[0]
+            if any(v != value for v in lengths) or not value.isdecimal():
+                raise UpstreamProtocolError(f"bad Content-Length {lengths!r}")
+            self.remaining = int(value)
+            self.state = LENGTH
+            if not self.remaining:
+                self._finish()
+        else:
+            self.state = EOF
+            self.keep_alive = False
+
+    def _push(self, piece: bytes) -> None:
+        self.pieces.append(piece)
+        self.buffered += len(piece)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _finish(self) -> None:
+        self.state = DONE
+        self.body_done = True
+
+    # -- waking and timing ---------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.exc is None:
+            self.exc = exc
+        self.close()
+        self._wake()
+
+    def _arm(self, at: float) -> None:
+        """Make sure the timer fires no later than ``at`` (an earlier firing re-arms)."""
+        if self.timer is not None:
+            if self.timer_at <= at:
+                return
+            self.timer.cancel()
+        self.timer_at = at
+        self.timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.closing:
+            return
+        now = self.loop.time() + _SLACK
+        state = self.state
+        if state == IDLE:
+            due = self.idle_since + self.idle_timeout
+            if now >= due:
+                self.close()
+                return
+        elif state == DONE:
+            return  # the body is in; a slow consumer is not a slow upstream
+        else:
+            if self.paused:
+                self.last_rx = now  # reading is paused by us: the silence is ours
+            due = min(self.last_rx + self.read_timeout, self.deadline)
+            if now >= due:
+                what = "total" if due == self.deadline else "read"
+                self._fail(TimeoutError(f"upstream {what} timeout"))
+                return
+        self.timer_at = due
+        self.timer = self.loop.call_at(due, self._on_timer)
