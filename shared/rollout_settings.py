@@ -4,7 +4,8 @@ Role: the schema of what the rollout needs beyond the cluster: per model, the en
 it, where its weights come from and the least memory it needs; an explicit allocation (replicas,
 tensor-parallel degree, GPU share per model) for when no search has run yet, optionally several
 named ones (``scenarios``, e.g. before and after a traffic shift); and the Kubernetes backend's
-namespace, images, ports and timeouts.
+namespace, images, ports and timeouts; the local backend's state folder, proxies, ports and
+timeouts (``local``).
 
 Invariants: decoded once by :func:`shared.settings_schema.decode`, frozen afterwards; a bad
 value raises :class:`SettingsError` naming its key path relative to ``rollout``; every model an
@@ -26,6 +27,7 @@ __all__ = [
     "AllocationEntry",
     "Engine",
     "KubernetesSettings",
+    "LocalSettings",
     "ModelServing",
     "RolloutSettings",
     "Scenario",
@@ -151,6 +153,70 @@ class KubernetesSettings:
 
 
 @dataclass(frozen=True)
+class LocalSettings:
+    """The local backend: engine processes on this machine, routes pushed to the proxies."""
+
+    state_dir: str = setting(
+        ".scepsy/local",
+        doc="folder holding one JSON file per running GPU group (pids, ports, URLs), so a "
+        "restarted daemon adopts the engines it left running; relative to the working directory",
+    )
+    log_dir: str | None = setting(None, doc="folder of the engines' log files (null: state_dir/logs)")
+    node: str | None = setting(
+        None,
+        doc="this machine's node name in cluster.nodes; groups placed on other nodes are refused "
+        "(null: every node is served here, which only emulated engines can share)",
+    )
+    host: str = setting("127.0.0.1", doc="address engines listen on and the proxies reach them at")
+    first_port: int = setting(0, doc="lowest engine port (0: any free port the OS picks)")
+    last_port: int = setting(0, doc="highest engine port (with first_port)")
+    proxies: tuple[str, ...] = setting(
+        factory=tuple,
+        doc="base URLs of the proxies whose admin API gets the route table, e.g. "
+        "http://127.0.0.1:8080 (every one is told; one that is down is reported, not fatal)",
+    )
+    admin_token: str | None = setting(
+        None, doc="bearer token of the proxies' admin API (null: proxy.admin_token)"
+    )
+    mps_control: tuple[str, ...] = setting(
+        ("nvidia-cuda-mps-control", "-f"),
+        doc="command of the MPS control daemon started, in the foreground, for a GPU group "
+        "whose GPUs are shared by vllm/sglang engines",
+    )
+    ready_timeout_s: float = setting(
+        900.0, doc="longest a group may take until every engine answers /health"
+    )
+    stop_grace_s: float = setting(
+        30.0, doc="after SIGTERM, how long an engine gets to exit before SIGKILL"
+    )
+    request_timeout_s: float = setting(
+        5.0, doc="timeout of one health check or admin API call"
+    )
+    push_attempts: int = setting(3, doc="attempts per proxy to push a route table")
+    poll_interval_s: float = setting(0.5, doc="how often health and drain state are polled")
+
+    def __post_init__(self) -> None:
+        if not self.state_dir:
+            raise SettingsError("state_dir", "must not be empty")
+        if self.first_port or self.last_port:
+            for key in ("first_port", "last_port"):
+                if not 1 <= getattr(self, key) <= 65535:
+                    raise SettingsError(key, "must be a port number (1-65535), or both 0")
+            if self.last_port < self.first_port:
+                raise SettingsError("last_port", f"must be at least first_port ({self.first_port})")
+        for i, url in enumerate(self.proxies):
+            if not url.startswith(("http://", "https://")):
+                raise SettingsError(f"proxies[{i}]", f"must start with http:// or https://, got {url!r}")
+        if not self.mps_control:
+            raise SettingsError("mps_control", "must not be empty")
+        for key in ("ready_timeout_s", "stop_grace_s", "request_timeout_s", "poll_interval_s"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(key, "must be positive")
+        if self.push_attempts < 1:
+            raise SettingsError("push_attempts", "must be at least 1")
+
+
+@dataclass(frozen=True)
 class RolloutSettings:
     """Serving and rollout: models, an explicit allocation, backend details."""
 
@@ -172,6 +238,7 @@ class RolloutSettings:
     kubernetes: KubernetesSettings = setting(
         factory=KubernetesSettings, doc="the kubernetes backend"
     )
+    local: LocalSettings = setting(factory=LocalSettings, doc="the local backend")
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
