@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from shared.cluster import ClusterSettings
+from shared.optimizer_settings import OptimizerSettings
 from shared.rollout_settings import RolloutSettings
 from shared.settings_schema import SettingsError, decode, describe, setting
 
@@ -198,6 +199,9 @@ class Settings:
     )
     rollout: RolloutSettings = setting(
         factory=RolloutSettings, doc="how models are served and rolled out"
+    )
+    optimizer: OptimizerSettings = setting(
+        factory=OptimizerSettings, doc="the optimizer daemon: change detection and re-planning"
     )
 
 

@@ -1,0 +1,114 @@
+"""The ``optimizer:`` settings section: how the daemon watches traffic and when it re-plans.
+
+Role: the schema of the optimizer daemon's loop (DESIGN §3.8): how often it looks, over which
+window, what counts as a change (rate threshold held for several windows, token drift, observed
+latency straying from prediction), and when a new allocation is worth rolling out (relative
+gain, gain over a horizon against the cost of the move, cooldown). The search's own knobs
+(granularity, headroom, welfare policy) and the daemon's health/metrics address live here too.
+Which backend rolls out is ``rollout.backend`` (one knob, not two).
+
+Invariants: decoded once by :func:`shared.settings_schema.decode`, frozen afterwards; a bad value
+raises :class:`SettingsError` naming its key path relative to ``optimizer``. Times are seconds;
+thresholds are relative (0.3 = 30%).
+
+A note on windows: a rate shift is confirmed after ``windows_to_confirm`` consecutive windows
+past the threshold, and the re-plan uses the latest window's rate. When
+``(windows_to_confirm - 1) * interval_s >= window_s`` that latest window lies wholly after the
+shift, so one shift is planned for once, at its full size (the defaults satisfy this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.settings_schema import SettingsError, setting
+
+__all__ = ["OptimizerSettings"]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer daemon (``scepsy run``)."""
+
+    interval_s: float = setting(60.0, doc="seconds between two passes of the loop")
+    window_s: float = setting(
+        120.0, doc="statistics window: each pass summarises the calls of the last window_s"
+    )
+    settle_s: float = setting(
+        5.0,
+        doc="requests whose last call ended within settle_s of the window's end may still be "
+        "running: they count as arrivals but not (yet) as completed",
+    )
+    min_requests: int = setting(
+        20, doc="completed requests a workflow needs in a window before its figures are trusted"
+    )
+    rate_change_threshold: float = setting(
+        0.3, doc="relative change of a workflow's arrival rate that counts as a shift"
+    )
+    windows_to_confirm: int = setting(
+        3, doc="consecutive windows a change must persist before the daemon acts on it"
+    )
+    token_drift_threshold: float = setting(
+        0.5, doc="relative change of a model's mean prompt or completion tokens that counts"
+    )
+    latency_drift_threshold: float = setting(
+        0.5,
+        doc="relative gap between observed and predicted workflow latency that counts "
+        "(checked only on windows that start after the last rollout ended)",
+    )
+    cooldown_s: float = setting(
+        300.0, doc="least time between the end of one rollout and the start of the next"
+    )
+    min_gain: float = setting(
+        0.1, doc="least relative latency gain (rate-weighted over workflows) worth a rollout"
+    )
+    horizon_s: float = setting(
+        1800.0,
+        doc="the gain is counted over this long (request-seconds saved) and must outweigh "
+        "the move's cost",
+    )
+    cold_start_s: float = setting(
+        90.0,
+        doc="engine start cost of a moved replica (calibration.md: 52-110 s for an 8B model "
+        "on vLLM; the emulator starts in about a second)",
+    )
+    reprofile_min_interval_s: float = setting(
+        3600.0, doc="least time between two profiling runs of one model"
+    )
+    granularity: int = setting(10, doc="GPU-share units per GPU the search considers")
+    headroom: float = setting(
+        0.1, doc="the chosen throughput must cover the arrival rate x (1 + headroom)"
+    )
+    welfare: Literal["egalitarian", "social"] = setting(
+        "egalitarian",
+        doc="how GPUs are split between workflows: egalitarian (max-min utility, the paper's) "
+        "or social (sum of utilities)",
+    )
+    listen: str = setting(
+        "127.0.0.1:9400", doc="HOST:PORT of the daemon's /health and /metrics (port 0: any)"
+    )
+    apply: bool = setting(
+        True, doc="roll decisions out (false: decide, record and export metrics only)"
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("interval_s", "window_s", "horizon_s"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(key, "must be positive")
+        for key in ("settle_s", "cooldown_s", "cold_start_s", "reprofile_min_interval_s",
+                    "headroom", "min_gain"):
+            if getattr(self, key) < 0:
+                raise SettingsError(key, "must not be negative")
+        for key in ("rate_change_threshold", "token_drift_threshold", "latency_drift_threshold"):
+            if not getattr(self, key) > 0:
+                raise SettingsError(key, "must be positive (a relative change, 0.3 = 30%)")
+        if self.settle_s >= self.window_s:
+            raise SettingsError("settle_s", "must be shorter than window_s")
+        for key in ("windows_to_confirm", "granularity", "min_requests"):
+            if getattr(self, key) < 1:
+                raise SettingsError(key, "must be at least 1")
+        # Imported here: shared.settings imports this module to build the root settings.
+        from shared.settings import parse_host_port
+
+        parse_host_port(self.listen, "listen")
