@@ -22,6 +22,7 @@ from types import ModuleType
 COMMANDS: dict[str, str] = {
     "stats": "optimizer.stats_report",
     "inventory": "optimizer.inventory_cmd",
+    "plan": "optimizer.plan_cmd",
     "render": "optimizer.render_cmd",
 }
 

@@ -353,10 +353,10 @@ def replica_demands(result: SearchResult,
 
 @dataclass(frozen=True)
 class PlacedSearch:
-    """A search result that placement accepted, and how it got there."""
+    """The last search result tried, its placement (``None``: none placed), and the way there."""
 
     result: SearchResult
-    placement: Placement
+    placement: Placement | None
     attempts: int  # searches run (1: the first result placed)
     excluded: frozenset[ExcludedConfig]  # configurations given up because they did not place
     failures: tuple[str, ...]  # the placement errors met on the way
@@ -364,10 +364,12 @@ class PlacedSearch:
 
 def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSearch:
     """Search, then place; when a replica does not place, exclude its model's configuration
-    (that workflow, TP, replicas, share) and search again, up to ``max_attempts`` searches.
-    Raises the last :class:`PlacementError` when none places."""
+    (that workflow, TP, replicas, share) and search again: the best allocation without it.
+    Gives up after ``max_attempts`` searches (``placement`` is then ``None``)."""
     failures: list[str] = []
-    for attempt in range(1, max_attempts + 1):
+    attempt = 0
+    while True:
+        attempt += 1
         result = search(problem)
         demands = replica_demands(result, problem.memory_floor_bytes)
         try:
@@ -375,13 +377,12 @@ def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSea
                                 problem.exclude, tuple(failures))
         except PlacementError as exc:
             failures.append(str(exc))
-            if exc.demand_index is None or attempt == max_attempts:
-                raise
+            if exc.demand_index is None or attempt >= max_attempts:
+                return PlacedSearch(result, None, attempt, problem.exclude, tuple(failures))
             d = demands[exc.demand_index]
             alloc = result.workflow(d.workflow).allocation[d.model]
             problem = replace(problem, exclude=problem.exclude | {ExcludedConfig(
                 d.workflow, d.model, alloc.tp, alloc.replicas, alloc.share)})
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def search_async(problem: SearchProblem) -> SearchResult:

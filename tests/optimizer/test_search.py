@@ -199,6 +199,9 @@ def test_search_and_place_gives_a_sound_placement() -> None:
         if placed == 8 or not search(problem).feasible:
             continue
         out = search_and_place(problem)
+        if out.placement is None:
+            assert out.attempts == 8 and len(out.failures) == 8
+            continue
         check_placement(problem.cluster, out.placement)
         assert len(out.placement.replicas) == len(replica_demands(out.result))
         assert out.attempts == 1 + len(out.failures) == 1 + len(out.excluded)

@@ -1,0 +1,124 @@
+"""``scepsy plan``: the paper scenario end to end (table, JSON, plot), store mode, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from bench._search_instances import curve
+from optimizer.cli import main
+from optimizer.profiles import save_points
+from optimizer.scenario import load_scenario
+from shared.settings_schema import SettingsError
+from tests.optimizer.conftest import Row, call
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT / "examples" / "scenario_paper.yaml"
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    assert main(argv) == 0
+    doc: dict[str, Any] = orjson.loads(capsys.readouterr().out)
+    return doc
+
+
+def test_paper_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, ["plan", "--scenario", str(PAPER), "--json"])
+    assert doc["feasible"] and doc["welfare"] == "egalitarian"
+    assert set(doc["workflows"]) == {"beam_search", "rag_rerank"}
+    rag = doc["workflows"]["rag_rerank"]
+    assert rag["throughput"] >= rag["rate"] * 1.1
+    # the tiny embedding model is co-located on a GPU fraction (where fractions pay)
+    assert rag["models"]["e5-base-v2"]["share"] < 1.0
+    total = sum(w["gpus"] for w in doc["workflows"].values())
+    assert total <= 8
+    placed = doc["placement"]
+    replicas = sum(m["replicas"] for w in doc["workflows"].values()
+                   for m in w["models"].values())
+    assert len(placed) == replicas
+    usage: dict[tuple[str, int], float] = {}
+    for r in placed:
+        for g in r["gpus"]:
+            usage[(r["node"], g)] = usage.get((r["node"], g), 0.0) + r["share"]
+    assert max(usage.values()) <= 1.0 + 1e-9
+    assert doc["search"]["candidates_evaluated"] > 0 and doc["search"]["seconds"] > 0
+
+
+def test_paper_scenario_table_and_plot(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "curves.png"
+    assert main(["plan", "--scenario", str(PAPER), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for word in ("beam_search", "e5-base-v2", "placement", "node-0", "predicted", "pruned"):
+        assert word in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablation_flags_and_rate_override(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, ["plan", "--scenario", str(PAPER), "--json", "--no-fraction",
+                         "--no-tp", "--rate", "rag_rerank=2"])
+    models = [m for w in doc["workflows"].values() for m in w["models"].values()]
+    assert {m["share"] for m in models} == {1.0} and {m["tp"] for m in models} == {1}
+    assert doc["workflows"]["rag_rerank"]["rate"] == 2.0
+
+
+def test_overload_is_reported_infeasible(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--scenario", str(PAPER), "--json", "--rate", "beam_search=50"])
+    doc = orjson.loads(capsys.readouterr().out)
+    beam = doc["workflows"]["beam_search"]
+    assert not doc["feasible"] and not beam["feasible"]
+    assert 0 < beam["served_rate"] < 50
+    # placement may or may not find room for the fractions; the exit status says which
+    assert code == (0 if doc["placement"] is not None else 1)
+    assert doc["placement_attempts"] == 1 + len(doc["placement_errors"]) or code == 1
+
+
+def test_bad_scenario_names_the_key(tmp_path: Path) -> None:
+    data = yaml.safe_load(PAPER.read_text())
+    data["workflows"][1]["stages"][0]["p"] = 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(SettingsError, match=r"workflows\[1\]\.stages\[0\]\.p"):
+        load_scenario(bad)
+    data = yaml.safe_load(PAPER.read_text())
+    data["workflows"][0]["stages"][0]["model"] = "unprofiled"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(SettingsError, match=r"workflows\[0\]\.stages\[0\]\.model"):
+        load_scenario(bad)
+
+
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--scenario", str(PAPER), "--rate", "nope=1"]) == 2
+    assert main(["plan", "--scenario", str(PAPER), "--rate", "rag_rerank"]) == 2
+    assert main(["plan", "--scenario", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["plan", "--store", str(tmp_path)]) == 2  # --config missing
+    err = capsys.readouterr().err
+    assert "unknown workflow" in err and "--config" in err
+
+
+def test_store_mode(write_store: Callable[[list[Row]], Path], tmp_path: Path,
+                    capsys: pytest.CaptureFixture[str]) -> None:
+    rows = []
+    for i in range(40):  # one request every 0.5 s: 2 calls to gen (in parallel), 1 to ver
+        t = i * 0.5
+        rows += [call("agent", f"r{i}", "gen", t, t + 0.2), call("agent", f"r{i}", "gen", t,
+                                                                 t + 0.2),
+                 call("agent", f"r{i}", "ver", t + 0.2, t + 0.3)]
+    store = write_store(rows)
+    save_points(store, curve("gen", 1, 20.0, 0.2, 1.0) + curve("ver", 1, 30.0, 0.1, 1.0))
+    config = tmp_path / "scepsy.yaml"
+    config.write_text(yaml.safe_dump({
+        "cluster": {"node_count": 1, "gpus_per_node": 2, "gpu_type": "a6000"},
+        "rollout": {"models": [{"name": "gen", "min_memory_gb": 10},
+                               {"name": "ver", "min_memory_gb": 10}]}}))
+    doc = _json(capsys, ["plan", "--store", str(store), "--config", str(config), "--json"])
+    agent = doc["workflows"]["agent"]
+    assert agent["rate"] == pytest.approx(2.0, rel=0.1)
+    assert agent["feasible"] and set(agent["models"]) == {"gen", "ver"}
+    for m in agent["models"].values():
+        assert m["share"] * m["tp"] * 48 >= 10 - 1e-9
