@@ -236,6 +236,7 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_benchmark(plan: Plan, pin: bool) -> dict[str, Any]:
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
     cpus = sorted(os.sched_getaffinity(0))
     mine, others = (cpus[:1], cpus[1:]) if pin and len(cpus) > 1 else (cpus, cpus)
     with tempfile.TemporaryDirectory(prefix="scepsy-bench-upstream-") as tmp:
@@ -258,6 +259,9 @@ def run_benchmark(plan: Plan, pin: bool) -> dict[str, Any]:
             "upstream_cpus": others,
             "platform": platform.platform(),
             "python": platform.python_version(),
+            # other work on the machine competes with the client: this says how much there was
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
             "aiohttp": aiohttp.__version__,
             "uvloop": version("uvloop"),
         },

@@ -49,16 +49,18 @@ __all__ = [
 
 # Headers the client writes itself; a caller's copy would contradict the framing.
 _RESERVED = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+_RESERVED_LENGTHS = frozenset(map(len, _RESERVED))  # most names skip the lower() this way
 _MAX_CACHED_LINES = 1024
 
 
 class _Body:
     """``async for piece in response.iter_any()``: whatever arrived since the last piece."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "_exchange")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        self._exchange = conn.exchanges
 
     def __aiter__(self) -> _Body:
         return self
@@ -66,6 +68,8 @@ class _Body:
     async def __anext__(self) -> bytes:
         conn = self._conn
         while True:
+            if conn.exchanges != self._exchange:
+                raise RuntimeError("response body read after its connection was released")
             if conn.pieces:
                 return conn.take()
             if conn.body_done:
@@ -101,6 +105,8 @@ class UpstreamResponse:
         """The whole body, de-chunked (read once; later calls return the same bytes)."""
         if self._body is not None:
             return self._body
+        if self._released:
+            raise RuntimeError("response body read after release()")
         conn = self._conn
         if conn.body_done:  # the usual JSON answer: it came with its head
             body = conn.take() if conn.pieces else b""
@@ -111,6 +117,8 @@ class UpstreamResponse:
 
     def iter_any(self) -> AsyncIterator[bytes]:
         """Body pieces as they arrive, de-chunked; ends at the end of the body."""
+        if self._released:
+            raise RuntimeError("response body read after release()")
         return _Body(self._conn)
 
     def release(self) -> None:
@@ -289,7 +297,11 @@ class UpstreamClient:
 def _encode_headers(headers: Iterable[tuple[str, str]]) -> bytes:
     """``Name: value\\r\\n`` lines, latin-1; a line break inside a header is refused (it would
     let a header smuggle another one, or a second request)."""
-    lines = [f"{k}: {v}\r\n" for k, v in headers if k.lower() not in _RESERVED]
+    lines = [
+        f"{k}: {v}\r\n"
+        for k, v in headers
+        if len(k) not in _RESERVED_LENGTHS or k.lower() not in _RESERVED
+    ]
     text = "".join(lines)
     if text.count("\n") != len(lines) or text.count("\r") != len(lines):
         raise ValueError("header names and values must not contain line breaks")

@@ -66,6 +66,7 @@ class Connection(asyncio.Protocol):
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.state = IDLE
+        self.exchanges = 0  # exchanges begun: a body reader of an older one must stop
         self.rest = b""  # received bytes not parsed yet (a partial head or framing line)
         self.pieces: list[bytes] = []
         self.buffered = 0
@@ -101,6 +102,7 @@ class Connection(asyncio.Protocol):
             self.close()
             raise UpstreamConnectError("connection closed before the request was sent")
         self.state = HEAD
+        self.exchanges += 1
         self.body_done = False
         self.keep_alive = True
         self.got_bytes = False
@@ -226,13 +228,47 @@ class Connection(asyncio.Protocol):
     # -- parsing -------------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        """Parse ``data``; the body bytes it holds become one piece (pushed even when a
+        parse error follows them)."""
+        out: list[bytes] = []
+        try:
+            self._parse(data, out)
+        finally:
+            if out:
+                self._push(out[0] if len(out) == 1 else b"".join(out))
+
+    def _parse(self, data: bytes, out: list[bytes]) -> None:
         pos = 0
         n = len(data)
         while pos < n:
             state = self.state
-            if state == LENGTH or state == CHUNK_DATA:
-                take = min(self.remaining, n - pos)
-                self._push(data if take == n else data[pos : pos + take])
+            if state == CHUNK_SIZE:
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    return self._keep(data, pos, _MAX_LINE, "chunk-size line")
+                line = data[pos:eol]
+                if not line or line.lstrip(_HEX):  # extensions, blanks or garbage
+                    line = line.split(b";", 1)[0].strip(b" \t")  # extensions: ignored
+                    if not line or line.lstrip(_HEX):
+                        raise UpstreamProtocolError(f"malformed chunk size {data[pos:eol][:40]!r}")
+                size = int(line, 16)
+                pos = eol + 2
+                if not size:
+                    self.state = TRAILER
+                    continue
+                end = pos + size
+                if end + 2 <= n:  # the whole chunk is here (an SSE event, usually)
+                    if data[end : end + 2] != b"\r\n":
+                        raise UpstreamProtocolError("chunk data not followed by CRLF")
+                    out.append(data[pos:end])
+                    pos = end + 2
+                else:
+                    self.remaining = size
+                    self.state = CHUNK_DATA
+            elif state == LENGTH or state == CHUNK_DATA:
+                left = n - pos
+                take = self.remaining if self.remaining < left else left
+                out.append(data if take == n else data[pos : pos + take])
                 pos += take
                 self.remaining -= take
                 if not self.remaining:
@@ -240,22 +276,6 @@ class Connection(asyncio.Protocol):
                         self._finish()
                     else:
                         self.state = CHUNK_CRLF
-            elif state == CHUNK_SIZE:
-                eol = data.find(b"\r\n", pos)
-                if eol < 0:
-                    return self._keep(data, pos, _MAX_LINE, "chunk-size line")
-                line = data[pos:eol]
-                semi = line.find(b";")  # chunk extensions: ignored
-                size_hex = (line[:semi] if semi >= 0 else line).strip(b" \t")
-                if not size_hex or size_hex.lstrip(_HEX):
-                    raise UpstreamProtocolError(f"malformed chunk size {line[:40]!r}")
-                size = int(size_hex, 16)
-                pos = eol + 2
-                if size:
-                    self.remaining = size
-                    self.state = CHUNK_DATA
-                else:
-                    self.state = TRAILER
             elif state == CHUNK_CRLF:
                 if n - pos < 2:
                     return self._keep(data, pos, 2, "chunk end")
@@ -277,7 +297,7 @@ class Connection(asyncio.Protocol):
                     self._finish()
                 pos = eol + 2  # a trailer field: dropped (engines send none)
             elif state == EOF:
-                self._push(data if pos == 0 else data[pos:])
+                out.append(data if pos == 0 else data[pos:])
                 return
             else:  # DONE: bytes after the response (a pipelined extra): not ours to parse
                 self.keep_alive = False
