@@ -270,6 +270,24 @@ def test_slow_consumer_pauses_reading(run: Run) -> None:
     run(body)
 
 
+def test_pool_limits_idle_time_and_size(run: Run) -> None:
+    async def body() -> None:
+        async with engine() as eng:
+            client = UpstreamClient(idle_timeout_s=0.05, max_idle_per_host=2)
+            results = await asyncio.gather(*(post(client, eng.url) for _ in range(5)))
+            assert [status for status, _ in results] == [200] * 5
+            idle = next(iter(client._targets.values())).idle
+            assert len(idle) == 2  # the other three were closed at release
+            await asyncio.sleep(0.01)
+            assert len(client._conns) == 2
+            await asyncio.sleep(0.2)  # past the idle timeout
+            assert not idle and not client._conns
+            assert (await post(client, eng.url))[0] == 200
+            await client.close()
+
+    run(body)
+
+
 def test_200_concurrent_requests(run: Run) -> None:
     async def body() -> None:
         async with engine() as eng:
