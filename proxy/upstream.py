@@ -162,7 +162,8 @@ class UpstreamClient:
         self.total_timeout_s = total_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_host = max_idle_per_host
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, Target] = {}  # by base URL
+        self._by_address: dict[tuple[str, int], Target] = {}
         self._lines: dict[tuple[str, str], bytes] = {}
         self._conns: set[Connection] = set()
         self._closed = False
@@ -207,10 +208,14 @@ class UpstreamClient:
         conn = await self._connect(target, deadline)
         return await self._exchange(conn, head, body, method, deadline)
 
+    def connections(self) -> tuple[int, int]:
+        """(open, idle) connections over all upstreams (for metrics and tests)."""
+        return len(self._conns), sum(len(t.idle) for t in self._by_address.values())
+
     async def close(self) -> None:
         """Close every connection, pooled or in use, and wait until they are gone."""
         self._closed = True
-        for target in self._targets.values():
+        for target in self._by_address.values():
             while target.idle:
                 target.idle.pop().pooled = False
         if not self._conns:
@@ -230,9 +235,11 @@ class UpstreamClient:
             raise ValueError(f"upstream URL must be http://host[:port], not {base_url!r}")
         port = url.port or 80
         host = url.hostname
-        shown = f"[{host}]" if ":" in host else host
-        host_line = f"Host: {shown}:{port}\r\n".encode("latin-1")
-        target = Target(host, port, host_line)
+        target = self._by_address.get((host, port))
+        if target is None:  # one pool per (host, port), however the URL spells it
+            shown = f"[{host}]" if ":" in host else host
+            target = Target(host, port, f"Host: {shown}:{port}\r\n".encode("latin-1"))
+            self._by_address[(host, port)] = target
         self._targets[base_url] = target
         return target
 

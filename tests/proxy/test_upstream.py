@@ -221,7 +221,7 @@ def test_sse_pieces_arrive_before_the_stream_ends(run: Run) -> None:
                 eng.gate.set()
                 rest = b"".join([p async for p in pieces])
             assert rest == b"".join(b"data: %d\n\n" % i for i in range(5))
-            assert len(client._conns) == 1 and len(next(iter(client._targets.values())).idle) == 1
+            assert client.connections() == (1, 1)
             await client.close()
 
     run(body)
@@ -232,8 +232,8 @@ def test_sequential_requests_reuse_one_connection(run: Run) -> None:
         async with engine() as eng:
             client = UpstreamClient()
             ports = set()
-            for _ in range(5):
-                status, data = await post(client, eng.url)
+            for url in [eng.url, eng.url + "/"] * 3:  # two spellings, one pool
+                status, data = await post(client, url)
                 assert status == 200
                 ports.add(orjson.loads(data)["port"])
             assert len(ports) == 1
@@ -276,12 +276,11 @@ def test_pool_limits_idle_time_and_size(run: Run) -> None:
             client = UpstreamClient(idle_timeout_s=0.05, max_idle_per_host=2)
             results = await asyncio.gather(*(post(client, eng.url) for _ in range(5)))
             assert [status for status, _ in results] == [200] * 5
-            idle = next(iter(client._targets.values())).idle
-            assert len(idle) == 2  # the other three were closed at release
+            assert client.connections()[1] == 2  # the other three were closed at release
             await asyncio.sleep(0.01)
-            assert len(client._conns) == 2
+            assert client.connections() == (2, 2)
             await asyncio.sleep(0.2)  # past the idle timeout
-            assert not idle and not client._conns
+            assert client.connections() == (0, 0)
             assert (await post(client, eng.url))[0] == 200
             await client.close()
 
@@ -297,9 +296,9 @@ def test_200_concurrent_requests(run: Run) -> None:
             assert len({orjson.loads(d)["port"] for _, d in results}) <= 200
             again = await asyncio.gather(*(post(client, eng.url) for _ in range(200)))
             assert all(status == 200 for status, _ in again)
-            assert len(client._conns) <= 200  # the second round reused the first's
+            assert client.connections()[0] <= 200  # the second round reused the first's
             await client.close()
-            assert not client._conns
+            assert client.connections() == (0, 0)
 
     run(body)
 
@@ -321,7 +320,7 @@ def test_cancel_mid_stream_closes_the_connection(run: Run) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
             await asyncio.wait_for(eng.hung_up.wait(), 2)
-            assert not next(iter(client._targets.values())).idle
+            assert client.connections()[1] == 0
             await client.close()
 
     run(body)
@@ -334,7 +333,7 @@ def test_unread_body_is_not_pooled(run: Run) -> None:
             r = await client.request("POST", eng.url, "/forever", [], b"{}")
             r.release()  # body not read: the connection must close, the engine must notice
             await asyncio.wait_for(eng.hung_up.wait(), 2)
-            assert not next(iter(client._targets.values())).idle
+            assert client.connections()[1] == 0
             await client.close()
 
     run(body)
@@ -486,7 +485,7 @@ def test_cancel_before_the_head_closes_the_connection(run: Run) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert hung_up == [True]
-            assert not client._conns
+            assert client.connections() == (0, 0)
             await client.close()
 
     run(body)
