@@ -58,6 +58,38 @@ class Target:
 class Connection(asyncio.Protocol):
     """One keep-alive connection, carrying one exchange at a time."""
 
+    __slots__ = (
+        "body_done",
+        "buffered",
+        "closing",
+        "deadline",
+        "exc",
+        "exchanges",
+        "got_bytes",
+        "headers",
+        "idle_since",
+        "idle_timeout",
+        "is_head",
+        "keep_alive",
+        "last_rx",
+        "loop",
+        "on_lost",
+        "paused",
+        "pieces",
+        "pooled",
+        "read_timeout",
+        "reason",
+        "remaining",
+        "rest",
+        "state",
+        "status",
+        "target",
+        "timer",
+        "timer_at",
+        "transport",
+        "waiter",
+    )
+
     def __init__(
         self, loop: asyncio.AbstractEventLoop, target: Target, on_lost: Callable[[Connection], None]
     ) -> None:
