@@ -27,7 +27,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -75,9 +75,13 @@ FULL = Plan(4.0, 1.0, 2)
 Call = Callable[[bytes, bool], Awaitable[int]]
 
 
-def _events(piece: bytes, last: bytes) -> int:
-    """Event boundaries (blank lines) in ``piece``, counting one split across pieces."""
-    return piece.count(b"\n\n") + (last == b"\n" and piece[:1] == b"\n")
+async def _count_events(pieces: AsyncIterator[bytes]) -> int:
+    """SSE events (blank-line boundaries) in a body, counting those split across pieces."""
+    n, last = 0, b""
+    async for piece in pieces:
+        n += piece.count(b"\n\n") + (last == b"\n" and piece[:1] == b"\n")
+        last = piece[-1:]
+    return n
 
 
 async def _scepsy(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
@@ -90,11 +94,7 @@ async def _scepsy(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
             if not stream:
                 await r.read()
                 return 0
-            n, last = 0, b""
-            async for piece in r.iter_any():
-                n += _events(piece, last)
-                last = piece[-1:]
-            return n
+            return await _count_events(r.iter_any())
 
     return call, client.close
 
@@ -117,11 +117,7 @@ async def _aiohttp(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
             if not stream:
                 await r.read()
                 return 0
-            n, last = 0, b""
-            async for piece in r.content.iter_any():
-                n += _events(piece, last)
-                last = piece[-1:]
-            return n
+            return await _count_events(r.content.iter_any())
 
     return call, session.close
 
