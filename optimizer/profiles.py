@@ -11,6 +11,10 @@ Invariants:
 - the database is opened only for the duration of one call, read-write only to write, so the
   daemon, the CLI and a profiler can take turns; async callers use the ``*_async`` wrappers,
   which run in a thread;
+- ``T_m`` is the largest throughput measured at a point where the engine kept up (achieved
+  within ``FOLLOW_TOLERANCE`` of offered); an overloaded point's reading never raises it: over
+  a finite window a backlog draining, a transient batch or a still-warm prefix cache can read
+  above what the engine sustains, and deep overload can read far below it;
 - ``L(λ)`` is non-decreasing in ``λ``, finite below ``T_m`` and ``inf`` at or beyond it;
 - a curve scaled to another GPU share (throughput x r, latency at rate λ/r stretched by 1/r)
   says so in ``scaled_from``.
@@ -34,6 +38,7 @@ from shared.settings_schema import SettingsError, decode
 
 DB_NAME = "optimizer.duckdb"
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
+_SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
 Stat = Literal["mean", "p50", "p90", "p99"]
 FloatArray = npt.NDArray[np.float64]
 
@@ -181,13 +186,13 @@ class Profile:
 
     ``rates`` are achieved throughputs of the points where the engine kept up with the
     offered rate (ascending); ``lat`` maps a statistic to latencies at those rates, made
-    non-decreasing. Between ``rates[-1]`` and ``saturation`` latency follows the hyperbola
-    ``A + B / (T - λ)`` through the last two points (a queue's blow-up), beyond it ``inf``.
+    non-decreasing and interpolated linearly between them. ``saturation`` is the highest of
+    those rates (plus a sliver, so that the last point stays finite); beyond it ``inf``.
     """
 
     key: ProfileKey
     saturation: float  # T_m: calls per second this key sustains
-    saturated: bool  # False when no point reached saturation (T_m is then a lower bound)
+    saturated: bool  # False when no point overloaded the engine (T_m is then a lower bound)
     rates: FloatArray
     lat: dict[str, FloatArray]
     ttft_mean: float  # at the lightest load
@@ -204,8 +209,7 @@ class Profile:
         following = [p for p in pts
                      if p.throughput >= (1.0 - FOLLOW_TOLERANCE) * p.offered_rate]
         saturated = len(following) < len(pts)
-        saturation = max(p.throughput for p in pts)
-        if not following:  # every point overloaded: keep the lightest as the only anchor
+        if not following:  # every point overloaded: the lightest one's reading is all we have
             following = pts[:1]
         rates = np.array([p.throughput for p in following], dtype=np.float64)
         order = np.argsort(rates, kind="stable")
@@ -214,34 +218,15 @@ class Profile:
         for stat in ("mean", "p50", "p90", "p99"):
             values = np.array([getattr(p, f"lat_{stat}") for p in following])[order]
             lat[stat] = np.maximum.accumulate(values)
-        if rates[-1] >= saturation:  # keep a sliver of finite range below T
-            saturation = float(rates[-1]) * (1.0 + 1e-6)
-        return cls(key=pts[0].key, saturation=float(saturation), saturated=saturated,
-                   rates=rates, lat=lat, ttft_mean=float(pts[0].ttft_mean))
+        return cls(key=pts[0].key, saturation=float(rates[-1]) * (1.0 + _SLIVER),
+                   saturated=saturated, rates=rates, lat=lat,
+                   ttft_mean=float(pts[0].ttft_mean))
 
     def latency(self, rate: npt.ArrayLike, stat: Stat = "mean") -> FloatArray:
         """Latency (s) at arrival rate(s) ``rate`` (calls/s); ``inf`` at or past saturation."""
         lam = np.asarray(rate, dtype=np.float64)
-        y = self.lat[stat]
-        x = self.rates
-        out = np.interp(lam, x, y)  # flat below the lightest point
-        tail = lam > x[-1]
-        if np.any(tail):
-            t = self.saturation
-            x2, y2 = x[-1], y[-1]
-            b = 0.0
-            if x.size >= 2 and y[-1] > y[-2]:
-                x1, y1 = x[-2], y[-2]
-                b = (y2 - y1) / (1.0 / (t - x2) - 1.0 / (t - x1))
-            if b <= 0.0:  # one point, or flat: assume the last point's latency is all queueing
-                b = y2 * (t - x2)
-                a = 0.0
-            else:
-                a = y2 - b / (t - x2)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                hyper = a + b / (t - lam)
-            out = np.where(tail, np.maximum(hyper, y2), out)
-        return np.where(lam >= self.saturation, np.inf, out)
+        out = np.interp(lam, self.rates, self.lat[stat])  # flat below the lightest point
+        return np.asarray(np.where(lam >= self.saturation, np.inf, out), dtype=np.float64)
 
     def scaled(self, share: float) -> Profile:
         """This curve moved to GPU share ``share`` (DESIGN §3.5): a replica on rx the GPU

@@ -16,7 +16,7 @@ from tests.optimizer.test_profiles import MU, mm1
 
 
 def _book() -> ProfileBook:
-    return ProfileBook(mm1("gen", mu=10.0) + mm1("gen", tp=2, mu=18.0, rates=(2, 6, 10, 14, 16, 17, 20))
+    return ProfileBook(mm1("gen", mu=10.0) + mm1("gen", tp=2, mu=18.0, rates=(2, 6, 10, 14, 16, 17, 18, 20))
                        + mm1("ver", mu=10.0))
 
 

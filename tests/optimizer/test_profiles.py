@@ -23,13 +23,16 @@ from optimizer.profiles import (
 )
 
 MU = 10.0  # an M/M/1 server: latency 1 / (mu - lambda), throughput min(lambda, mu)
+AT_MU = 50.0  # latency read at lambda >= mu over a finite window
 
 
 def mm1(model: str = "gen", tp: int = 1, share: float = 1.0, mu: float = MU,
-        rates: tuple[float, ...] = (1, 3, 5, 7, 8, 9, 12, 15)) -> list[ProfilePoint]:
+        rates: tuple[float, ...] | None = None) -> list[ProfilePoint]:
+    """Points of an M/M/1 server (by default 1..15 and ``mu`` itself); the point at ``mu``
+    keeps up (barely), those past it do not."""
     out = []
-    for lam in rates:
-        lat = 1.0 / (mu - lam) if lam < mu else 50.0
+    for lam in sorted({1, 3, 5, 7, 8, 9, 12, 15, mu} if rates is None else rates):
+        lat = 1.0 / (mu - lam) if lam < mu else AT_MU
         out.append(ProfilePoint(model, "emulator", "H100", tp, share, lam, min(lam, mu),
                                 lat, lat * 0.7, lat * 2.3, lat * 4.6, 0.01, 1000))
     return out
@@ -37,13 +40,13 @@ def mm1(model: str = "gen", tp: int = 1, share: float = 1.0, mu: float = MU,
 
 def test_save_replaces_only_the_measured_keys(tmp_path: Path) -> None:
     save_points(tmp_path, mm1("gen") + mm1("ver") + mm1("gen", tp=2))
-    assert len(load_points(tmp_path)) == 24
+    assert len(load_points(tmp_path)) == 27
     fresh = mm1("gen", rates=(2, 4))
     save_points(tmp_path, fresh)
     gen1 = [p for p in load_points(tmp_path, "gen") if p.tp == 1]
     assert [p.offered_rate for p in gen1] == [2, 4]
-    assert len(load_points(tmp_path, "ver")) == 8
-    assert len([p for p in load_points(tmp_path, "gen") if p.tp == 2]) == 8
+    assert len(load_points(tmp_path, "ver")) == 9
+    assert len([p for p in load_points(tmp_path, "gen") if p.tp == 2]) == 9
 
 
 def test_load_from_empty_store(tmp_path: Path) -> None:
@@ -82,17 +85,27 @@ def test_saturation_is_where_throughput_stops_following() -> None:
     assert unsat.saturation == pytest.approx(5.0, rel=1e-5)
 
 
+def test_an_overloaded_reading_never_raises_saturation() -> None:
+    # A short overloaded window reads 11/s (a backlog draining), above anything that kept up.
+    pts = mm1(rates=(1, 3, 5, 7, 8, 9))
+    pts.append(replace(pts[-1], offered_rate=14.0, throughput=11.0, lat_mean=40.0))
+    prof = Profile.from_points(pts)
+    assert prof.saturated
+    assert prof.saturation == pytest.approx(9.0, rel=1e-5)
+    assert np.isinf(prof.latency(9.5))
+
+
 def test_latency_interpolates_and_diverges() -> None:
     prof = Profile.from_points(mm1())
-    lam = np.array([0.5, 1.0, 2.0, 6.0, 8.5, 9.5, 9.99, 10.0, 20.0])
+    lam = np.array([0.5, 1.0, 2.0, 6.0, 9.5, 10.0, 10.1, 20.0])
     got = prof.latency(lam)
     assert got[0] == pytest.approx(1 / 9)  # flat below the lightest point
     assert got[1] == pytest.approx(1 / 9)
     assert got[2] == pytest.approx((1 / 9 + 1 / 7) / 2)  # linear between points
     assert got[3] == pytest.approx((1 / 5 + 1 / 3) / 2)
-    assert got[5] == pytest.approx(1 / (MU - 9.5))  # the tail hyperbola is exact for M/M/1
-    assert got[6] == pytest.approx(1 / (MU - 9.99))
-    assert np.isinf(got[7]) and np.isinf(got[8])
+    assert got[4] == pytest.approx((1.0 + AT_MU) / 2)
+    assert got[5] == pytest.approx(AT_MU)  # the highest point that kept up stays finite
+    assert np.isinf(got[6]) and np.isinf(got[7])
     finite = got[np.isfinite(got)]
     assert np.all(np.diff(finite) >= 0)
     assert prof.latency(5.0, "p90") == pytest.approx(2.3 / 5)
