@@ -39,10 +39,11 @@ TOKEN = "admin-secret"
 CLUSTER = Cluster.uniform(1, 4, 2, "a6000", 48 * GB)
 
 
-def rollout_settings(state: Path, proxies: list[str], **local: Any) -> RolloutSettings:
-    fast = ["--speedup", "100"]
+def rollout_settings(state: Path, proxies: list[str], *, speedup: float = 100.0,
+                     drain_s: float = 3.0, **local: Any) -> RolloutSettings:
+    fast = ["--speedup", str(speedup)]
     return decode(RolloutSettings, {
-        "drain_s": 3.0,
+        "drain_s": drain_s,
         "models": [{"name": E5, "extra_args": fast}, {"name": LLAMA, "extra_args": fast}],
         "local": {"state_dir": str(state), "proxies": proxies, "admin_token": TOKEN,
                   "ready_timeout_s": 20.0, "stop_grace_s": 3.0, "poll_interval_s": 0.05,
@@ -370,5 +371,41 @@ async def test_the_admin_token_defaults_to_the_proxy_section(
         await b.push_routes([Route(E5, "http://127.0.0.1:9")])
         assert routed(proxy) == {(E5, "http://127.0.0.1:9")} and not b.proxies.errors
         assert (await b.observe()).routes == (Route(E5, "http://127.0.0.1:9"),)
+    finally:
+        await b.close()
+
+
+async def test_a_drain_lasts_until_the_calls_in_flight_finish(
+    state: Path, proxy: ProxyHandle
+) -> None:
+    rollout = rollout_settings(state, [proxy.url], speedup=1.0, drain_s=20.0)
+    b = LocalBackend(rollout, CLUSTER)
+    try:
+        groups = target(rollout, (LLAMA, (0,), 1.0))
+        await converge(b, groups)
+        (replica,) = (await b.observe()).replicas
+        body = {"model": LLAMA, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 120, "ignore_eos": True}  # about a second at real speed
+        async with aiohttp.ClientSession() as s:
+            async def long_call() -> int:
+                async with s.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status
+
+            task = asyncio.create_task(long_call())
+            for _ in range(500):
+                if any(u["in_flight"] for u in proxy.router.snapshot()["upstreams"]):
+                    break
+                await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await b.push_routes([])
+            await b.wait_drained([replica])
+            waited = loop.time() - t0
+            assert not proxy.router.snapshot()["upstreams"]
+            assert await task == 200
+        assert 0.2 < waited < rollout.drain_s
+        await b.stop(groups[0].id)
+        check_no_duplicates(b, ())
     finally:
         await b.close()
