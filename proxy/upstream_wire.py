@@ -224,8 +224,8 @@ class Connection(asyncio.Protocol):
                 err = UpstreamProtocolError(f"upstream connection lost in the response head{why}")
             else:
                 err = UpstreamConnectError(f"upstream closed the connection unanswered{why}")
-        elif state == EOF and exc is None:
-            self._finish()  # a body without length ends with its connection
+        elif state == EOF and exc is None and self.exc is None:
+            self._finish()  # a body without length ends with its connection (not ours)
         elif state not in (IDLE, DONE):
             why = f": {exc}" if exc else ""
             err = UpstreamProtocolError(f"upstream connection lost mid-response{why}")

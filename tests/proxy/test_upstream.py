@@ -427,8 +427,11 @@ def test_disconnect_mid_body_is_a_protocol_error(run: Run, reply: bytes) -> None
 
 def test_read_timeout(run: Run) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if (await read_request(reader)).startswith(b"POST /body"):
+        request = await read_request(reader)
+        if request.startswith(b"POST /body"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        elif request.startswith(b"POST /eof"):
+            writer.write(b"HTTP/1.0 200 OK\r\n\r\nabc")  # a body that ends at the close
         await reader.read()  # then silence until the client gives up
 
     async def body() -> None:
@@ -436,10 +439,11 @@ def test_read_timeout(run: Run) -> None:
             client = UpstreamClient(read_timeout_s=0.15)
             with pytest.raises(TimeoutError):
                 await post(client, url, "/head")
-            r = await client.request("POST", url, "/body", [], b"")
-            with pytest.raises(TimeoutError):
-                await r.read()
-            r.release()
+            for path in ("/body", "/eof"):
+                r = await client.request("POST", url, path, [], b"")
+                with pytest.raises(TimeoutError):
+                    await r.read()
+                r.release()
             await client.close()
 
     run(body)
