@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -130,13 +131,11 @@ class LocalBackend:
         records = self.state.load()
         live: list[tuple[GroupRecord, ProcRecord]] = []
         dead_urls: set[str] = set()
-        for gid, rec in records.items():
+        for rec in records.values():
             settled, dead = self._settle(rec)
             dead_urls |= {p.url for p in dead}
             if settled is None:
-                await terminate([p for p in rec.procs if p.role == "mps"],
-                                self.local.stop_grace_s, self._sleep, self._clock)
-                self.state.remove(gid)
+                await self._forget(rec)
                 continue
             live += [(settled, p) for p in settled.procs if p.role == "engine"]
         ready = await asyncio.gather(*(self._healthy(p.url) for _, p in live))
@@ -226,7 +225,8 @@ class LocalBackend:
         if not missing:
             return
         taken = self._taken_ports()
-        ports = {rid: self._pick_port(taken) for rid in sorted(missing)}
+        ports = {r.id: p.port if r.id not in missing and (p := rec.engine(r.id)) else
+                 self._pick_port(taken) for r in group.replicas}
         plan = launches(group, self.rollout, self.cluster, ports, self.state.path)
         for launch in plan:
             if launch.role == "mps":
@@ -310,6 +310,11 @@ class LocalBackend:
         grace = self.local.stop_grace_s
         await terminate([p for p in rec.procs if p.role == "engine"], grace, self._sleep,
                         self._clock)
-        await terminate([p for p in rec.procs if p.role == "mps"], grace, self._sleep,
-                        self._clock)
-        self.state.remove(group_id)
+        await self._forget(rec)
+
+    async def _forget(self, rec: GroupRecord) -> None:
+        """Stop the group's MPS daemon (its clients are gone) and drop its record and pipes."""
+        await terminate([p for p in rec.procs if p.role == "mps"], self.local.stop_grace_s,
+                        self._sleep, self._clock)
+        shutil.rmtree(mps_dirs(self.state.path, rec.group.id)[0].parent, ignore_errors=True)
+        self.state.remove(rec.group.id)

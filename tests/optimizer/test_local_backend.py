@@ -311,24 +311,29 @@ async def test_engine_spawned_before_its_pid_was_recorded_is_adopted(
     assert routed(proxy) == {(E5, f"http://127.0.0.1:{port}")}
 
 
-async def test_a_dead_engine_is_forgotten_unrouted_and_restarted(
+async def test_a_dead_engine_is_forgotten_unrouted_and_restarted_alone(
     backend: LocalBackend, rollout: RolloutSettings, proxy: ProxyHandle
 ) -> None:
-    groups = target(rollout, (E5, (0,), 1.0), (LLAMA, (1,), 1.0))
+    groups = before(rollout)
     await converge(backend, groups)
-    victim = backend.state.load()[groups[0].id].procs[0]
-    assert victim.pid is not None
+    shared = next(g for g in groups if len(g.replicas) == 2)
+    rec = backend.state.load()[shared.id]
+    victim, survivor = (rec.engine(r.id) for r in reversed(shared.replicas))
+    assert victim is not None and victim.pid is not None and survivor is not None
     os.killpg(victim.pid, signal.SIGKILL)
     for _ in range(300):
         if not alive(victim):
             break
         await asyncio.sleep(0.01)
     seen = await backend.observe()
-    assert groups[0].id not in {r.group for r in seen.replicas}
-    assert (E5, victim.url) not in routed(proxy) and not (backend.state.groups /
-                                                          f"{groups[0].id}.json").exists()
-    await converge(backend, groups)
+    assert victim.name not in {r.id for r in seen.replicas}
+    assert survivor.name in {r.id for r in seen.replicas}
+    assert (victim.model, victim.url) not in routed(proxy)
+    plan, _ = await converge(backend, groups)
+    assert [s.kind for s in plan.steps] == ["start", "wait_ready", "add_route"]
     check_no_duplicates(backend, groups)
+    restarted = backend.state.load()[shared.id]
+    assert restarted.engine(survivor.name) == survivor  # the co-located replica was left alone
     assert routed(proxy) == expected_routes(backend, groups)
 
 
