@@ -256,15 +256,25 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         at = min(loop.time() + self.connect_timeout_s, deadline)
         where = f"{target.host}:{target.port}"
+        made: list[Connection] = []
+
+        def factory() -> Connection:
+            made.append(Connection(loop, target, self._lost))
+            return made[-1]
+
         try:
             async with asyncio.timeout_at(at):
-                _, conn = await loop.create_connection(
-                    lambda: Connection(loop, target, self._lost), target.host, target.port
-                )
-        except TimeoutError as exc:
-            raise UpstreamConnectError(f"connect to {where} timed out") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"connect to {where} failed: {exc}") from exc
+                _, conn = await loop.create_connection(factory, target.host, target.port)
+        except BaseException as exc:
+            # A timeout or cancellation landing just as the connection was made must not
+            # leave it open and unowned.
+            for made_conn in made:
+                made_conn.close()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamConnectError(f"connect to {where} timed out") from exc
+            if isinstance(exc, OSError):
+                raise UpstreamConnectError(f"connect to {where} failed: {exc}") from exc
+            raise
         self._conns.add(conn)
         if self._closed:  # closed while connecting
             conn.close()

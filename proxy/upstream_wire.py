@@ -206,6 +206,8 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        if self.closing:  # closed by a connect that was cancelled meanwhile
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

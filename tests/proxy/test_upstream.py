@@ -356,6 +356,29 @@ def test_refused_port_is_a_connect_error(run: Run) -> None:
     run(body)
 
 
+def test_connect_timeout_is_a_connect_error(run: Run) -> None:
+    async def body() -> None:
+        listener = socket.socket()
+        fillers = [socket.socket() for _ in range(3)]
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)  # never accepts: once its queue is full, SYNs go unanswered
+            port = listener.getsockname()[1]
+            for s in fillers:
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+            client = UpstreamClient(connect_timeout_s=0.2)
+            with pytest.raises(UpstreamConnectError, match="timed out"):
+                await post(client, f"http://127.0.0.1:{port}")
+            assert client.connections() == (0, 0)
+            await client.close()
+        finally:
+            for s in [listener, *fillers]:
+                s.close()
+
+    run(body)
+
+
 def test_closed_unanswered_is_a_connect_error(run: Run) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
