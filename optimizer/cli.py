@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "inventory": "optimizer.inventory_cmd",
     "plan": "optimizer.plan_cmd",
     "render": "optimizer.render_cmd",
+    "profile": "optimizer.profile_cmd",
+    "run": "optimizer.run_cmd",
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
