@@ -1,0 +1,323 @@
+"""The optimizer daemon: the control loop of DESIGN §3.8, with /health and /metrics.
+
+Role: every ``optimizer.interval_s``: statistics of the last window (DuckDB, in a thread) →
+change detection against the baseline (:mod:`optimizer.decide`) → only on a confirmed change:
+the allocation search and placement (in a thread) → plan against what the backend observes →
+decide → roll out through the backend (:func:`optimizer.backend.execute`). Every pass leaves one
+row in the decision log (:mod:`optimizer.decision_log`) and updates the metrics
+(:mod:`optimizer.daemon_metrics`). :func:`make_app` wraps a :class:`Daemon` into an aiohttp app
+whose ``cleanup_ctx`` runs the loop; ``scepsy run`` (:mod:`optimizer.run_cmd`) serves it.
+
+Invariants:
+- one event loop; DuckDB reads and writes and the search run in worker threads;
+- the first pass observes the backend, which adopts engines already running: a restarted daemon
+  re-plans from what runs and starts nothing twice (the executor is resumable);
+- profiles are read from the store as they are (``scepsy profile`` writes them); a model
+  without a profile makes the pass an ``error`` decision naming it, and nothing is rolled out;
+- the window never reaches back before the first recorded call, so a fresh store does not read
+  as a low rate; it ends ``settle_s`` early for completions (see :class:`optimizer.stats.Window`);
+- a failed pass or rollout is logged and recorded; the loop keeps going. Cancelling the loop
+  (SIGTERM) interrupts at most one await: engines keep running, and the next daemon resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+
+import orjson
+from aiohttp import web
+
+from optimizer.backend import Backend, execute
+from optimizer.daemon_metrics import DaemonMetrics
+from optimizer.decide import (
+    Decision,
+    Detection,
+    DetectorState,
+    after_rollout,
+    detect,
+    failed,
+    judge,
+    snapshot_from_stats,
+)
+from optimizer.decision_log import DecisionRow, save_decision_async
+from optimizer.placement import Placement
+from optimizer.plan import Observed, Plan, make_plan, target_from_placement
+from optimizer.profiles import ProfileBook, db_path, load_points_async
+from optimizer.proposal import (
+    Running,
+    allocation_doc,
+    make_proposal,
+    pipelines,
+    predict_running,
+    running_allocation,
+    running_doc,
+    search_problem,
+)
+from optimizer.search import SearchResult, search_and_place
+from optimizer.stats import Window, WorkflowStats, summarise_store
+from shared.cluster import cluster_from_settings
+from shared.settings import Settings
+from shared.store import StoreReader
+
+__all__ = ["DAEMON", "Daemon", "TickReport", "make_app"]
+
+log = logging.getLogger(__name__)
+US = 1_000_000
+
+
+class PlanningError(RuntimeError):
+    """The search or placement found nothing to roll out (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """One pass of the loop, for the demo's live view and for tests."""
+
+    decision: Decision
+    stats: Mapping[str, WorkflowStats]
+    window_s: float
+    running: Running
+    predicted_now: Mapping[str, float]
+    result: SearchResult | None = None
+    placement: Placement | None = None
+    plan: Plan | None = None
+    outcome: str | None = None
+    search_s: float | None = None
+    rollout_s: float | None = None
+
+
+def first_call_us(store: str) -> int | None:
+    """When the store's first recorded call started (``None``: nothing recorded yet)."""
+    reader = StoreReader(store)
+    try:
+        rows = reader.calls().aggregate("min(t_start)").fetchall()
+    finally:
+        reader.close()
+    return None if not rows or rows[0][0] is None else int(rows[0][0])
+
+
+@dataclass
+class Daemon:
+    """The loop's state and one pass of it (:meth:`tick`); :meth:`run` repeats it."""
+
+    settings: Settings
+    backend: Backend
+    clock: Callable[[], float] = time.time  # wall seconds (call records are epoch µs)
+    metrics: DaemonMetrics = field(default_factory=DaemonMetrics)
+    on_tick: Callable[[TickReport], None] | None = None
+    state: DetectorState = field(default_factory=DetectorState)
+    ticks: int = 0
+    errors: int = 0
+    last: TickReport | None = None
+    last_tick_end: float | None = None  # monotonic
+    _data_start_us: int | None = None
+    _book_cache: tuple[int | None, ProfileBook] | None = None
+
+    def __post_init__(self) -> None:
+        self.cfg = self.settings.optimizer
+        self.store = self.settings.store.path
+        self.cluster = cluster_from_settings(self.settings.cluster)
+
+    # --- one pass --------------------------------------------------------------------------
+    def _read(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
+        """Statistics of the window ending at ``now``, and the window's length (s)."""
+        if self._data_start_us is None:
+            self._data_start_us = first_call_us(self.store)
+        now_us = round(now * US)
+        lo = now_us - round(self.cfg.window_s * US)
+        if self._data_start_us is not None:
+            lo = max(lo, self._data_start_us)
+        span_s = (now_us - lo) / US
+        if self._data_start_us is None or span_s <= self.cfg.settle_s:
+            return {}, span_s
+        window = Window(lo, now_us, round(self.cfg.settle_s * US))
+        return summarise_store(self.store, window), span_s - self.cfg.settle_s
+
+    async def tick(self) -> TickReport:
+        now = self.clock()
+        stats, span = await asyncio.to_thread(self._read, now)
+        self.metrics.observe_stats(stats)
+        observed = await self.backend.observe()
+        self._observe_allocation(observed)
+        pipes = pipelines(stats)
+        rates = {w: s.arrival_rate for w, s in stats.items()}
+        book = await self._book()
+        running = running_allocation(observed, pipes, rates)
+        predicted_now = predict_running(pipes, book, running, rates)
+        self.metrics.observe_predicted(predicted_now)
+        det = detect(self.state, snapshot_from_stats(now, span, stats), self.cfg, predicted_now)
+        # The decision is filled in below; the rest is what this pass saw.
+        seen = TickReport(Decision(now, "steady", ()), stats, span, running, predicted_now)
+        if det.act:
+            report = await self._replan(seen, det, observed, rates, book)
+        else:
+            decision, self.state = judge(self.state, det, None, self.cfg)
+            report = replace(seen, decision=decision)
+        await self._record(report)
+        self.ticks += 1
+        self.last = report
+        self.last_tick_end = time.monotonic()
+        if self.on_tick is not None:
+            self.on_tick(report)
+        return report
+
+    async def _replan(self, report: TickReport, det: Detection, observed: Observed,
+                      rates: Mapping[str, float], book: ProfileBook) -> TickReport:
+        """Search, place and plan for the window's traffic; judge; roll out if decided."""
+        t0 = time.perf_counter()
+        try:
+            unknown = sorted({st.model for p in pipelines(report.stats).values()
+                              for st in p.stages} - set(self.settings.rollout.revisions()))
+            if unknown:
+                raise PlanningError(f"model(s) {', '.join(unknown)} not in rollout.models: "
+                                    "the daemon cannot start them")
+            missing = sorted({st.model for p in pipelines(report.stats).values()
+                              for st in p.stages} - {k.model for k in book.profiles})
+            if missing:
+                raise PlanningError(f"no profile for model(s) {', '.join(missing)}: run "
+                                    "`scepsy profile` (profiles are read from the store)")
+            problem = search_problem(self.settings, pipelines(report.stats), rates, book,
+                                     self.cluster)
+            placed = await asyncio.to_thread(search_and_place, problem)
+            search_s = time.perf_counter() - t0
+            self.metrics.search_time.observe(search_s)
+            if placed.placement is None:
+                raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
+            target = target_from_placement(placed.placement, self.settings.rollout.revisions())
+            plan = make_plan(observed, target, self.cluster)
+            proposal = make_proposal(placed.result, plan, report.predicted_now, rates)
+        except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
+            decision, self.state = failed(self.state, det, f"{type(exc).__name__}: {exc}")
+            return replace(report, decision=decision, search_s=time.perf_counter() - t0)
+        decision, decided = judge(self.state, det, proposal, self.cfg)
+        report = replace(report, decision=decision, result=placed.result,
+                       placement=placed.placement, plan=plan, search_s=search_s)
+        if not decision.taken:
+            self.state = decided
+            return report
+        if not self.cfg.apply:
+            self.state = after_rollout(decided, self.state, self.clock(), ok=True)
+            return replace(report, outcome="not applied (optimizer.apply is false)")
+        t1 = time.monotonic()
+        try:
+            await execute(plan, self.backend)
+            outcome, ok = "ok", True
+        except Exception as exc:  # a failed rollout is recorded; the loop goes on
+            log.warning("rollout failed: %s", exc)
+            outcome, ok = f"failed: {type(exc).__name__}: {exc}", False
+        rollout_s = time.monotonic() - t1
+        self._observe_allocation(await self.backend.observe())
+        self.metrics.rollouts.labels("ok" if ok else "failed").inc()
+        self.metrics.rollout_time.observe(rollout_s)
+        self.state = after_rollout(decided, self.state, self.clock(), ok)
+        return replace(report, outcome=outcome, rollout_s=rollout_s)
+
+    async def _book(self) -> ProfileBook:
+        """The stored profiles, re-read only when the database file changed."""
+        try:
+            stamp = os.stat(db_path(self.store)).st_mtime_ns
+        except FileNotFoundError:
+            stamp = None
+        if self._book_cache is None or self._book_cache[0] != stamp:
+            points = await load_points_async(self.store) if stamp is not None else []
+            self._book_cache = (stamp, ProfileBook(points))
+        return self._book_cache[1]
+
+    def _observe_allocation(self, observed: Observed) -> None:
+        replicas: dict[str, int] = {}
+        gpus: dict[str, float] = {}
+        for r in observed.replicas:
+            replicas[r.model] = replicas.get(r.model, 0) + 1
+            gpus[r.model] = gpus.get(r.model, 0.0) + r.tp * r.share
+        self.metrics.observe_allocation(replicas, gpus)
+
+    async def _record(self, report: TickReport) -> None:
+        d = report.decision
+        self.metrics.decisions.labels(d.kind).inc()
+        predicted = None
+        if report.result is not None:
+            predicted = {w.workflow: {"current": _num(report.predicted_now.get(w.workflow)),
+                                      "proposed": _num(w.latency)}
+                         for w in report.result.workflows}
+        elif report.predicted_now:
+            predicted = {w: {"current": _num(v)} for w, v in report.predicted_now.items()}
+        row = DecisionRow(
+            t=d.t, kind=d.kind, taken=d.taken, outcome=report.outcome, reasons=d.reasons,
+            changes=tuple(asdict(c) for c in d.changes), gain=_num(d.gain),
+            benefit_s=_num(d.benefit_s), cost_s=_num(d.cost_s), search_s=report.search_s,
+            rollout_s=report.rollout_s,
+            rates={w: s.arrival_rate for w, s in report.stats.items()},
+            observed={w: s.latency_mean for w, s in report.stats.items()
+                      if math.isfinite(s.latency_mean)},
+            predicted=predicted,
+            allocation=(allocation_doc(report.result) if report.result is not None
+                        else running_doc(report.running)),
+            plan=tuple(report.plan.render().splitlines()) if report.plan is not None else (),
+        )
+        await save_decision_async(self.store, row)
+
+    # --- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Tick every ``interval_s`` until cancelled."""
+        while True:
+            t0 = time.monotonic()
+            try:
+                await self.tick()
+            except Exception:  # one bad pass (store unreadable, backend down) is not fatal
+                self.errors += 1
+                log.exception("optimizer pass failed")
+            await asyncio.sleep(max(0.0, self.cfg.interval_s - (time.monotonic() - t0)))
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        """Healthy while passes keep completing (or before the first one is due)."""
+        age = None if self.last_tick_end is None else time.monotonic() - self.last_tick_end
+        ok = age is None or age < 3 * self.cfg.interval_s + 60.0
+        return ok, {"status": "ok" if ok else "stalled", "ticks": self.ticks,
+                    "errors": self.errors, "seconds_since_last_pass": age,
+                    "last_decision": None if self.last is None else self.last.decision.kind}
+
+
+def _num(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+# --- the app ---------------------------------------------------------------------------------
+DAEMON = web.AppKey("daemon", Daemon)
+
+
+async def _health(request: web.Request) -> web.Response:
+    ok, body = request.app[DAEMON].health()
+    return web.Response(status=200 if ok else 503, body=orjson.dumps(body),
+                        content_type="application/json")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[DAEMON].metrics.exposition(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _loop_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[DAEMON].run(), name="optimizer-loop")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def make_app(daemon: Daemon, *, loop: bool = True) -> web.Application:
+    """The daemon's HTTP face; ``loop=False`` serves /health and /metrics without running
+    the loop (tests drive :meth:`Daemon.tick` themselves)."""
+    app = web.Application()
+    app[DAEMON] = daemon
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    if loop:
+        app.cleanup_ctx.append(_loop_ctx)
+    return app
