@@ -41,7 +41,6 @@ from shared.store import StoreReader
 GENERATE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 _COLUMNS = ("call_id", "request_id", "endpoint", "attempt", "status", "error", "stream",
             "t_start", "t_end", "completion_tokens", "body")
-US = 1_000_000.0
 
 
 class ReplayError(ValueError):
@@ -68,7 +67,7 @@ class Workload:
     calls: tuple[ReplayCall, ...]
     groups: tuple[tuple[int, ...], ...]
     skipped: int  # logical calls left out (failed, no body)
-    group_span_s: float  # median traced span of a multi-call group (0 when none)
+    depth: float  # mean over groups of the longest dependency chain (calls)
 
     @property
     def calls_per_group(self) -> float:
@@ -157,21 +156,21 @@ def build_workload(model: str, rows: Iterable[Sequence[Any]], *, served_model: s
                      key=lambda members: members[0].t_start)
     calls: list[ReplayCall] = []
     groups: list[tuple[int, ...]] = []
-    spans: list[float] = []
+    depths: list[int] = []
     for g, members in enumerate(ordered):
         base = len(calls)
         starts = [r.t_start for r in members]
         ends = [r.t_end or r.t_start for r in members]
+        chain: list[int] = []
         for r, deps in zip(members, frontier_deps(starts, ends), strict=True):
+            chain.append(1 + max((chain[d] for d in deps), default=0))
             calls.append(ReplayCall(r.endpoint, _prepared_body(r, served_model or model,
                                                                 force_lengths),
                                     bool(r.stream), g, tuple(base + i for i in deps),
                                     r.t_start))
         groups.append(tuple(range(base, len(calls))))
-        if len(members) > 1:
-            spans.append((max(ends) - min(starts)) / US)
-    span = float(np.median(spans)) if spans else 0.0
-    return Workload(model, tuple(calls), tuple(groups), skipped, span)
+        depths.append(max(chain))
+    return Workload(model, tuple(calls), tuple(groups), skipped, float(np.mean(depths)))
 
 
 def load_workload(store: str | Path, model: str, *, served_model: str | None = None,
