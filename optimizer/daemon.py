@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 import orjson
 from aiohttp import web
 
+from optimizer.alp import Pipeline
 from optimizer.backend import Backend, execute
 from optimizer.daemon_metrics import DaemonMetrics
 from optimizer.decide import (
@@ -146,7 +147,9 @@ class Daemon:
         self.metrics.observe_stats(stats)
         observed = await self.backend.observe()
         self._observe_allocation(observed)
-        pipes = pipelines(stats)
+        # Only trusted workflows are planned for: a trickle (an index build) is not traffic.
+        trusted = {w: s for w, s in stats.items() if s.requests >= self.cfg.min_requests}
+        pipes = pipelines(trusted)
         rates = {w: s.arrival_rate for w, s in stats.items()}
         book = await self._book()
         running = running_allocation(observed, pipes, rates)
@@ -156,7 +159,7 @@ class Daemon:
         # The decision is filled in below; the rest is what this pass saw.
         seen = TickReport(Decision(now, "steady", ()), stats, span, running, predicted_now)
         if det.act:
-            report = await self._replan(seen, det, observed, rates, book)
+            report = await self._replan(seen, det, observed, pipes, rates, book)
         else:
             decision, self.state = judge(self.state, det, None, self.cfg)
             report = replace(seen, decision=decision)
@@ -169,22 +172,22 @@ class Daemon:
         return report
 
     async def _replan(self, report: TickReport, det: Detection, observed: Observed,
-                      rates: Mapping[str, float], book: ProfileBook) -> TickReport:
+                      pipes: Mapping[str, Pipeline], rates: Mapping[str, float],
+                      book: ProfileBook) -> TickReport:
         """Search, place and plan for the window's traffic; judge; roll out if decided."""
         t0 = time.perf_counter()
         try:
-            unknown = sorted({st.model for p in pipelines(report.stats).values()
-                              for st in p.stages} - set(self.settings.rollout.revisions()))
+            unknown = sorted({st.model for p in pipes.values() for st in p.stages}
+                             - set(self.settings.rollout.revisions()))
             if unknown:
                 raise PlanningError(f"model(s) {', '.join(unknown)} not in rollout.models: "
                                     "the daemon cannot start them")
-            missing = sorted({st.model for p in pipelines(report.stats).values()
-                              for st in p.stages} - {k.model for k in book.profiles})
+            missing = sorted({st.model for p in pipes.values() for st in p.stages}
+                             - {k.model for k in book.profiles})
             if missing:
                 raise PlanningError(f"no profile for model(s) {', '.join(missing)}: run "
                                     "`scepsy profile` (profiles are read from the store)")
-            problem = search_problem(self.settings, pipelines(report.stats), rates, book,
-                                     self.cluster)
+            problem = search_problem(self.settings, pipes, rates, book, self.cluster)
             placed = await asyncio.to_thread(search_and_place, problem)
             search_s = time.perf_counter() - t0
             self.metrics.search_time.observe(search_s)

@@ -191,6 +191,8 @@ def detect(state: DetectorState, snap: Snapshot, cfg: OptimizerSettings,
                     "latency_drift", w, None, r,
                     f"{w}: observed latency {o.latency:.3g}s vs predicted {pred:.3g}s")))
     for w, old in sorted(base.workflows.items()):
+        if old.requests < cfg.min_requests and w not in trusted:
+            continue  # a trickle (an index build, a probe) is not traffic to plan for
         rate = snap.workflows[w].rate if w in snap.workflows else 0.0
         r = _rel(rate, old.rate)
         if abs(r) > cfg.rate_change_threshold:
