@@ -41,6 +41,20 @@ REPO = Path(__file__).resolve().parents[1]
 LABEL = "emulated"
 # Model seconds per wall second that keep the demo stack's lag small on a loaded 2-core box.
 DEMO_SPEEDUP = 4.0
+# One BLAS thread per process: OpenBLAS's spinning worker threads otherwise take a loaded
+# 2-core machine's CPU from the event loops whose timing is being measured.
+SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def single_threaded_env() -> dict[str, str]:
+    return os.environ | SINGLE_THREADED
+
+
+def reexec_single_threaded(module: str, argv: Sequence[str]) -> None:
+    """Restart this benchmark with one BLAS thread unless it already has it (the variable is
+    read when numpy loads, so it must be set before this process imported it)."""
+    if os.environ.get("OPENBLAS_NUM_THREADS") != "1":
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], single_threaded_env())
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,7 @@ class EmulatedStack:
     def _spawn(self, name: str, args: list[str], url: str) -> _Child:
         log = self.workdir / f"{name}.log"
         with log.open("wb") as err:
-            proc = subprocess.Popen([sys.executable, *args], cwd=REPO,
+            proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=single_threaded_env(),
                                     stdout=subprocess.DEVNULL, stderr=err)
         return _Child(name, proc, url, log)
 
@@ -123,6 +137,11 @@ class EmulatedStack:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each child (proxy and emulators)."""
+        children = ([self.proxy] if self.proxy else []) + self.emulators
+        return {c.name: cpu_seconds(c.proc.pid) for c in children if c.proc.poll() is None}
 
     def stop(self) -> None:
         """SIGTERM everything (the proxy first, so it flushes its store), SIGKILL past 20 s."""
@@ -167,6 +186,12 @@ async def scrape(url: str) -> dict[str, float]:
         name, _, value = line.rpartition(" ")
         out[name.split("{", 1)[0]] = float(value)
     return {"t_wall": time.monotonic()} | out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def lag_over(before: dict[str, float], after: dict[str, float], speedup: float
@@ -242,7 +267,8 @@ async def measure(plan: LagPlan, workdir: Path) -> dict[str, Any]:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "examples.load", "--workflow", "beam,rag", "--rate",
             wall_rates, "--duration", str(plan.duration_s / plan.speedup), "--base-url",
-            stack.base_url, "--passages", "500", cwd=REPO, stdout=asyncio.subprocess.PIPE)
+            stack.base_url, "--passages", "500", cwd=REPO, stdout=asyncio.subprocess.PIPE,
+            env=single_threaded_env())
         out, _ = await proc.communicate()
         after = await scrape_all(stack)
         report = json.loads(out)
@@ -261,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--speedup", type=float, default=DEMO_SPEEDUP)
     args = p.parse_args(argv)
+    reexec_single_threaded("bench.emulator_lag", sys.argv[1:] if argv is None else argv)
     plan = LagPlan(args.speedup, (0.2, 2.0), 60.0 if args.quick else 240.0)
     args.out.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(measure(plan, args.out / "work"))
