@@ -75,7 +75,8 @@ def implied_capacity(workload: Workload, gpu: str, tp: int = 1, share: float = 1
     order = np.random.default_rng(0).permutation(len(workload.groups))
     pending_deps: dict[str, int] = {}
     dependents: dict[str, list[str]] = collections.defaultdict(list)
-    now, started, finished_at = 0.0, 0, []
+    now, started = 0.0, 0
+    finished_at: list[float] = []
     groups = iter(int(order[g % len(order)]) for g in range(1 << 30))
 
     def start_group() -> int:

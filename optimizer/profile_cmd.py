@@ -31,7 +31,7 @@ from typing import Protocol
 import aiohttp
 import duckdb
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from optimizer.cli import UsageError
@@ -219,7 +219,7 @@ class RichProgress:
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
                             TimeRemainingColumn(), console=console, transient=True,
                             disable=not console.is_terminal)
-        self.task: int | None = None
+        self.task: TaskID | None = None
         self.ticker: asyncio.Task[None] | None = None
 
     def point_started(self, index: int, rate: float, duration_s: float) -> None:
@@ -288,8 +288,8 @@ async def _measure(args: argparse.Namespace, workload: Workload, console: Consol
     shares = _numbers(args.shares, float, "--shares")
     if any(t < 1 or t & (t - 1) for t in tps) or any(not 0 < s <= 1 for s in shares):
         raise UsageError("--tp values must be powers of two, --shares in (0, 1]")
-    source: EngineSource = (RunningEngine(args.url, args.gpu) if args.url
-                            else EmulatorProcesses(args.gpu))
+    source: RunningEngine | EmulatorProcesses = (RunningEngine(args.url, args.gpu) if args.url
+                                                 else EmulatorProcesses(args.gpu))
     keys = [(tps[0], shares[0])] if args.url else [(t, s) for t in tps for s in shares]
     label = "emulated" if isinstance(source, EmulatorProcesses) else "measured"
     points: list[ProfilePoint] = []
@@ -305,7 +305,8 @@ async def _measure(args: argparse.Namespace, workload: Workload, console: Consol
         async with source.serve(workload.model, tp, share, speedup) as target:
             result: SweepResult = await sweep(target, workload, settings,
                                               RichProgress(console, tag))
-        lagging = [r.clock_lag for r in result.points if (r.clock_lag or 0.0) > 0.05]
+        lagging = [r.clock_lag for r in result.points
+                   if r.clock_lag is not None and r.clock_lag > 0.05]
         if lagging:
             console.print(f"[yellow]{tag}: the emulator's clock lagged up to "
                           f"{max(lagging):.0%}: figures are pessimistic; lower --speedup")

@@ -139,6 +139,7 @@ def test_from_json_replaces_only_its_keys(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(150)  # ~45 s on an idle 2-core machine; the emulator runs in real time
 def test_profile_emulated_embedder_end_to_end(tmp_path: Path) -> None:
     """``scepsy profile --quick`` against a real emulator process (e5-base-v2), checked
     against the capacity the emulator's performance model implies for the same calls."""
