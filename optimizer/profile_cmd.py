@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class EngineSource(Protocol):
     """Where engines to profile come from: started for one key, stopped on exit."""
 
-    engine: str
+    @property
+    def engine(self) -> str: ...
 
     def serve(self, model: str, tp: int, share: float,
               speedup: float) -> contextlib.AbstractAsyncContextManager[Target]: ...
