@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.metrics import ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Replica, Router
+from proxy.upstream import UpstreamClient
 from shared.settings import Settings
 
 log = logging.getLogger("scepsy.proxy")
@@ -34,7 +35,8 @@ SETTINGS = web.AppKey("settings", Settings)
 ROUTER = web.AppKey("router", Router)
 RECORDER = web.AppKey("recorder", Recorder)
 METRICS = web.AppKey("metrics", ProxyMetrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+SESSION = web.AppKey("session", aiohttp.ClientSession)  # health probes and /v1/models
+UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the engine calls: the hot path
 PROXY_ID = web.AppKey("proxy_id", str)
 
 
@@ -45,20 +47,20 @@ def _json(data: object, status: int = 200) -> web.Response:
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS].proxy
     # Idle connections are dropped before the engines drop them (uvicorn: 5 s), so a call is
-    # never sent down a connection the engine is closing (such a call cannot be safely retried).
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
-    timeout = aiohttp.ClientTimeout(
-        total=s.upstream_timeout_s, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
+    # rarely sent down a connection the engine is closing.
+    app[UPSTREAM] = UpstreamClient(
+        connect_timeout_s=s.connect_timeout_s,
+        read_timeout_s=s.read_timeout_s,
+        total_timeout_s=s.upstream_timeout_s,
+        idle_timeout_s=4.0,
     )
-    # auto_decompress off: bodies are relayed as the engine sent them, never re-encoded.
-    async with aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    ) as session:
+    timeout = aiohttp.ClientTimeout(total=30, sock_connect=s.connect_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
         app[SESSION] = session
-        yield
+        try:
+            yield
+        finally:
+            await app[UPSTREAM].close()
 
 
 async def _recorder_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -19,12 +19,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
-from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, SESSION, SETTINGS
+from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, SETTINGS, UPSTREAM
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -39,6 +37,7 @@ from proxy.errors import (
 from proxy.identity import identify, is_private_header
 from proxy.relay import relay_body, relay_stream
 from proxy.router import Replica
+from proxy.upstream import UpstreamConnectError, UpstreamProtocolError
 from shared.records import CallRecord, new_call_id, now_us, scrub_body
 
 ENGINE_ROUTES = frozenset(
@@ -74,7 +73,6 @@ _DROP_UPSTREAM = frozenset(
     }
 )
 # Connection failures that prove the engine never started on the call: safe to retry.
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 @dataclass(slots=True)
@@ -85,7 +83,7 @@ class Call:
     stream: bool
     strip_usage: bool
     prompt: str | None
-    headers: CIMultiDict[str]
+    headers: list[tuple[str, str]]
     client_auth: str | None
 
 
@@ -141,12 +139,12 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     return raw, body
 
 
-def _upstream_headers(request: web.Request) -> CIMultiDict[str]:
-    return CIMultiDict(
+def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
+    return [
         (k, v)
         for k, v in request.headers.items()
         if k.lower() not in _DROP_UPSTREAM and not is_private_header(k)
-    )
+    ]
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -233,16 +231,15 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             raise
         tried.append(rep)
         rec.upstream = rep.url
-        headers = call.headers.copy()
         auth = f"Bearer {rep.api_key}" if rep.api_key else call.client_auth
-        if auth:
-            headers["Authorization"] = auth
+        headers = [*call.headers, ("Authorization", auth)] if auth else call.headers
         router.acquire(rep)
         retry = False
         try:
-            async with app[SESSION].post(
-                rep.url + call.path, data=call.payload, headers=headers
-            ) as upstream:
+            upstream = await app[UPSTREAM].request(
+                "POST", rep.url, call.path, headers, call.payload
+            )
+            async with upstream:
                 router.succeeded(rep)
                 status = upstream.status
                 rec.status = status
@@ -252,11 +249,11 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
                 if call.stream and status == 200 and ctype.startswith("text/event-stream"):
                     return await relay_stream(request, upstream, rec, call.strip_usage)
                 return await relay_body(upstream, rec)
-        except _CONNECT_ERRORS as exc:
+        except UpstreamConnectError as exc:
             # The connection was never made, so the engine never saw the call: safe to retry.
             router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "connect")
-            rec.error = f"connect: {exc.__class__.__name__}: {exc}"
+            rec.error = f"connect: {exc}"
             retry = len(tried) == 1 and _has_alternative(router, call.model, tried)
             if not retry:
                 status = NoReplica.status
@@ -267,13 +264,13 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             rec.error = "upstream timed out"
             status = UpstreamTimeout.status
             raise UpstreamTimeout("The upstream engine did not answer in time.") from exc
-        except aiohttp.ClientError as exc:
+        except UpstreamProtocolError as exc:
             # The call may have reached the engine: never replayed (it may not be idempotent
             # in cost, and the client may already hold part of the answer).
             if rec.status is None:
                 router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "disconnect")
-            rec.error = f"upstream: {exc.__class__.__name__}: {exc}"
+            rec.error = f"upstream: {exc}"
             status = UpstreamFailed.status
             raise UpstreamFailed("The upstream engine broke the exchange.") from exc
         except (asyncio.CancelledError, ConnectionResetError):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.upstream import UpstreamProtocolError, UpstreamResponse
 from shared.records import CallRecord, now_us
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -107,7 +107,7 @@ def apply_usage(rec: CallRecord, usage: dict[str, Any]) -> None:
         rec.cached_tokens = details["cached_tokens"]
 
 
-def response_headers(upstream: aiohttp.ClientResponse, call_id: str) -> CIMultiDict[str]:
+def response_headers(upstream: UpstreamResponse, call_id: str) -> CIMultiDict[str]:
     headers = CIMultiDict(
         (k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
     )
@@ -115,7 +115,7 @@ def response_headers(upstream: aiohttp.ClientResponse, call_id: str) -> CIMultiD
     return headers
 
 
-async def relay_body(upstream: aiohttp.ClientResponse, rec: CallRecord) -> web.Response:
+async def relay_body(upstream: UpstreamResponse, rec: CallRecord) -> web.Response:
     """A whole (non-streamed) response: read, take usage, pass through unchanged."""
     body = await upstream.read()
     rec.t_first_byte = rec.t_first_byte or now_us()
@@ -137,7 +137,7 @@ def _event_payload(event: bytes) -> bytes:
 
 
 async def relay_stream(
-    request: web.Request, upstream: aiohttp.ClientResponse, rec: CallRecord, strip_usage: bool
+    request: web.Request, upstream: UpstreamResponse, rec: CallRecord, strip_usage: bool
 ) -> web.StreamResponse:
     """Relay an SSE stream event by event; strip the usage event the client did not ask for.
 
@@ -157,11 +157,11 @@ async def relay_stream(
 
 
 async def _relay_events(
-    out: web.StreamResponse, upstream: aiohttp.ClientResponse, rec: CallRecord, strip_usage: bool
+    out: web.StreamResponse, upstream: UpstreamResponse, rec: CallRecord, strip_usage: bool
 ) -> web.StreamResponse:
     pending = b""
     try:
-        async for chunk in upstream.content.iter_any():
+        async for chunk in upstream.iter_any():
             if rec.t_first_byte is None:
                 rec.t_first_byte = now_us()
             data = pending + chunk if pending else chunk
@@ -195,11 +195,7 @@ async def _relay_events(
         if pending:
             rec.response_bytes += len(pending)
             await out.write(pending)
-    except (
-        aiohttp.ClientPayloadError,
-        aiohttp.ServerDisconnectedError,
-        aiohttp.ClientOSError,
-    ) as exc:
+    except UpstreamProtocolError as exc:
         rec.error = f"upstream stream cut: {exc.__class__.__name__}: {exc}"
         await out.write(
             _error_event("The upstream engine ended the stream early.", "upstream_error")

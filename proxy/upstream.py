@@ -38,6 +38,7 @@ from proxy.upstream_wire import (
     Target,
     UpstreamConnectError,
     UpstreamProtocolError,
+    UpstreamUnanswered,
 )
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamUnanswered",
 ]
 
 # Headers the client writes itself; a caller's copy would contradict the framing.
@@ -203,8 +205,15 @@ class UpstreamClient:
             conn.pooled = False
             try:
                 return await self._exchange(conn, head, body, method, deadline)
-            except UpstreamConnectError:
-                pass  # closed by the server while idle: once more, on a fresh connection
+            except (UpstreamConnectError, UpstreamUnanswered) as exc:
+                # Most likely closed by the server while idle: once more, on a fresh connection.
+                # If even that cannot connect, the engine died: the first attempt may have
+                # reached it, so the failure is reported as unanswered, never as retryable.
+                try:
+                    conn = await self._connect(target, deadline)
+                except UpstreamConnectError as again:
+                    raise UpstreamUnanswered(f"{exc}; reconnecting failed: {again}") from again
+                return await self._exchange(conn, head, body, method, deadline)
         conn = await self._connect(target, deadline)
         return await self._exchange(conn, head, body, method, deadline)
 

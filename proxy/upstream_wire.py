@@ -43,6 +43,11 @@ class UpstreamProtocolError(Exception):
     """A malformed response, or the connection lost after the response had begun."""
 
 
+class UpstreamUnanswered(UpstreamProtocolError):
+    """The connection closed after the request was written and before any response byte.
+    The engine may have read the call (and died on it), so it must not be replayed elsewhere."""
+
+
 class Target:
     """One upstream ``(host, port)``: its ``Host`` line and its idle connections (LIFO)."""
 
@@ -225,7 +230,7 @@ class Connection(asyncio.Protocol):
             if self.got_bytes:
                 err = UpstreamProtocolError(f"upstream connection lost in the response head{why}")
             else:
-                err = UpstreamConnectError(f"upstream closed the connection unanswered{why}")
+                err = UpstreamUnanswered(f"upstream closed the connection unanswered{why}")
         elif state == EOF and exc is None and self.exc is None:
             self._finish()  # a body without length ends with its connection (not ours)
         elif state not in (IDLE, DONE):
