@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "render": "optimizer.render_cmd",
     "profile": "optimizer.profile_cmd",
     "run": "optimizer.run_cmd",
+    "demo": "optimizer.demo",
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")

@@ -147,9 +147,7 @@ class Daemon:
         self.metrics.observe_stats(stats)
         observed = await self.backend.observe()
         self._observe_allocation(observed)
-        # Only trusted workflows are planned for: a trickle (an index build) is not traffic.
-        trusted = {w: s for w, s in stats.items() if s.requests >= self.cfg.min_requests}
-        pipes = pipelines(trusted)
+        pipes = pipelines(self._planned(stats))
         rates = {w: s.arrival_rate for w, s in stats.items()}
         book = await self._book()
         running = running_allocation(observed, pipes, rates)
@@ -221,6 +219,16 @@ class Daemon:
         self.metrics.rollout_time.observe(rollout_s)
         self.state = after_rollout(decided, self.state, self.clock(), ok)
         return replace(report, outcome=outcome, rollout_s=rollout_s)
+
+    def _planned(self, stats: Mapping[str, WorkflowStats]) -> dict[str, WorkflowStats]:
+        """The workflows to plan for: those with enough completed requests in the window, and
+        those that had enough when last judged and still have some. A trickle (an index
+        build) is not traffic to plan for; a real workflow dipping below the bar keeps its
+        replicas. (A new workflow is planned for once it has enough requests.)"""
+        base = self.state.baseline
+        before = set() if base is None else set(base.trusted(self.cfg.min_requests))
+        return {w: s for w, s in stats.items()
+                if s.requests >= self.cfg.min_requests or (w in before and s.requests > 0)}
 
     async def _book(self) -> ProfileBook:
         """The stored profiles, re-read only when the database file changed."""

@@ -1,0 +1,199 @@
+"""The demo's report: ``report.json`` and ``report.md`` with plots, everything labelled emulated.
+
+Role: from what the demo collected (the daemon's passes, its decision log, the load drivers'
+reports, the phases' times), build the JSON document (:func:`report_doc`) and write it with a
+markdown page and its plots (:func:`write_report`): arrival rates and rollouts over time,
+predicted vs observed latency per workflow, and the GPU share per model before and after the
+shift.
+
+Invariants: ``report.json`` has at least ``rollouts``, ``failed_requests``, ``allocations`` and
+``predicted_vs_observed``; predictions compared with observations come from windows that start
+after the rollout they follow ended (a window straddling a rollout measures neither
+allocation); plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from optimizer.daemon import TickReport
+
+__all__ = ["Pass", "report_doc", "write_report"]
+
+LABEL = "emulated"
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One daemon pass as the demo keeps it: seconds since the demo started, and the report."""
+
+    t: float
+    report: TickReport
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(float(x), 4)
+
+
+def _allocation(report: TickReport) -> dict[str, dict[str, dict[str, float]]]:
+    assert report.result is not None
+    return {w.workflow: {m.model: {"replicas": m.alloc.replicas, "tp": m.alloc.tp,
+                                   "share": round(m.alloc.share, 4),
+                                   "gpus": round(m.alloc.replicas * m.alloc.tp * m.alloc.share,
+                                                 4)}
+                         for m in w.models} for w in report.result.workflows}
+
+
+def report_doc(passes: Sequence[Pass], decisions: Sequence[Mapping[str, Any]],
+               loads: Sequence[Mapping[str, Any]], timeline: Mapping[str, float],
+               settings_doc: Mapping[str, Any], t0_wall: float) -> dict[str, Any]:
+    shift = timeline.get("shift")
+    rollouts = []
+    ends: list[float] = []
+    for p in passes:
+        r = p.report
+        if r.decision.taken:
+            end = p.t + (r.rollout_s or 0.0)
+            ends.append(end)
+            rollouts.append({
+                "t": round(p.t, 1), "ended": round(end, 1),
+                "after_shift": shift is not None and p.t >= shift,
+                "outcome": r.outcome, "rollout_s": _num(r.rollout_s),
+                "search_s": _num(r.search_s), "changes": [c.kind for c in r.decision.changes],
+                "reasons": list(r.decision.reasons), "gain": _num(r.decision.gain),
+                "allocation": _allocation(r) if r.result is not None else None,
+                "plan": r.plan.render().splitlines() if r.plan is not None else []})
+    allocations = [{"phase": "after shift" if ro["after_shift"] else "before shift",
+                    "t": ro["t"], "allocation": ro["allocation"]} for ro in rollouts]
+    pvo = []
+    for p in passes:
+        r = p.report
+        done = [e for e in ends if e <= p.t - r.window_s]
+        if not done:
+            continue
+        for w, ws in r.stats.items():
+            pred = r.predicted_now.get(w)
+            if pred is None or ws.requests == 0:
+                continue
+            pvo.append({"t": round(p.t, 1), "workflow": w, "after_rollout": len(done),
+                        "rate": round(ws.arrival_rate, 3), "requests": ws.requests,
+                        "predicted_s": _num(pred), "observed_s": _num(ws.latency_mean),
+                        "error": _num((pred - ws.latency_mean) / ws.latency_mean
+                                      if ws.latency_mean > 0 else None)})
+    failed = sum(int(wf.get("failed", 0)) for load in loads
+                 for wf in load.get("workflows", {}).values())
+    kinds: dict[str, int] = {}
+    for d in decisions:
+        kinds[str(d["kind"])] = kinds.get(str(d["kind"]), 0) + 1
+    return {
+        "label": LABEL, "note": "every figure comes from emulated engines (scepsy-engine) on an "
+        "emulated 4-GPU node; profiles come from the simulator (same engine model)",
+        "rollouts": rollouts,
+        "rollouts_after_shift": sum(1 for r in rollouts if r["after_shift"]),
+        "failed_requests": failed, "allocations": allocations,
+        "predicted_vs_observed": pvo, "decisions": kinds, "timeline_s": dict(timeline),
+        "started_at_epoch_s": t0_wall, "load": list(loads),
+        "decision_log": [{k: d[k] for k in ("t", "kind", "taken", "outcome", "reasons")}
+                         | {"t": round(float(d["t"]) - t0_wall, 1)} for d in decisions],
+        "settings": dict(settings_doc),
+    }
+
+
+def _plots(doc: Mapping[str, Any], passes: Sequence[Pass], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names: list[str] = []
+    flows = sorted({w for p in passes for w in p.report.stats})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for w in flows:
+        pts = [(p.t, p.report.stats[w]) for p in passes if w in p.report.stats]
+        ax1.plot([t for t, _ in pts], [s.arrival_rate for _, s in pts], marker=".", label=w)
+        obs = [(t, s.latency_mean) for t, s in pts if math.isfinite(s.latency_mean)]
+        ax2.plot([t for t, _ in obs], [v for _, v in obs], marker=".", label=f"{w} observed")
+        pred = [(p.t, p.report.predicted_now[w]) for p in passes
+                if math.isfinite(p.report.predicted_now.get(w, math.inf))]
+        ax2.plot([t for t, _ in pred], [v for _, v in pred], linestyle="--",
+                 label=f"{w} predicted")
+    for r in doc["rollouts"]:
+        for ax in (ax1, ax2):
+            ax.axvspan(r["t"], r["ended"], color="green", alpha=0.2)
+    if "shift" in doc["timeline_s"]:
+        for ax in (ax1, ax2):
+            ax.axvline(doc["timeline_s"]["shift"], color="red", linestyle=":")
+    ax1.set_ylabel("arrival rate (req/s)")
+    ax2.set_ylabel("mean latency (s)")
+    ax2.set_xlabel("seconds since the demo started (green: rollouts, red: RAG x3)")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.suptitle("EMULATED: traffic, rollouts, predicted vs observed latency")
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=100)
+    plt.close(fig)
+    names.append("timeline.png")
+    if doc["allocations"]:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        labels = [f"{a['phase']} (t={a['t']:.0f}s)" for a in doc["allocations"]]
+        models = sorted({m for a in doc["allocations"] for w in (a["allocation"] or {}).values()
+                         for m in w})
+        bottom = [0.0] * len(labels)
+        for m in models:
+            vals = [sum(w.get(m, {}).get("gpus", 0.0) for w in (a["allocation"] or {}).values())
+                    for a in doc["allocations"]]
+            ax.barh(labels, vals, left=bottom, label=m)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_xlabel("GPU-equivalents (emulated 4-GPU node)")
+        ax.legend(fontsize=7, loc="lower right")
+        fig.suptitle("EMULATED: allocation per rollout")
+        fig.tight_layout()
+        fig.savefig(out / "allocations.png", dpi=100)
+        plt.close(fig)
+        names.append("allocations.png")
+    return names
+
+
+def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
+    lines = ["# Scepsy demo report (EMULATED)", "", str(doc["note"]), "",
+             f"- rollouts: {len(doc['rollouts'])} "
+             f"({doc['rollouts_after_shift']} after the RAG rate tripled)",
+             f"- failed client requests: {doc['failed_requests']}",
+             f"- decisions: {', '.join(f'{k} {v}' for k, v in sorted(doc['decisions'].items()))}",
+             f"- timeline (s): {', '.join(f'{k} {v:.0f}' for k, v in doc['timeline_s'].items())}",
+             ""]
+    for name in plots:
+        lines += [f"![{name}]({name})", ""]
+    for k, r in enumerate(doc["rollouts"], 1):
+        lines += [f"## Rollout {k} at t={r['t']:.0f}s "
+                  f"({'after' if r['after_shift'] else 'before'} the shift, {r['outcome']}, "
+                  f"{r['rollout_s'] or 0:.1f}s)", ""]
+        lines += [f"- {reason}" for reason in r["reasons"]] + [""]
+        if r["allocation"]:
+            lines += ["| workflow | model | replicas | tp | share |", "|---|---|---|---|---|"]
+            for w, models in r["allocation"].items():
+                for m, a in models.items():
+                    lines.append(f"| {w} | {m} | {a['replicas']} | {a['tp']} | {a['share']} |")
+            lines.append("")
+        lines += ["```", *r["plan"], "```", ""]
+    lines += ["## Predicted vs observed mean latency (windows after a rollout ended)", "",
+              "| t (s) | workflow | after rollout | rate/s | predicted (s) | observed (s) | error |",
+              "|---|---|---|---|---|---|---|"]
+    for p in doc["predicted_vs_observed"]:
+        err = "-" if p["error"] is None else f"{p['error']:+.0%}"
+        lines.append(f"| {p['t']:.0f} | {p['workflow']} | {p['after_rollout']} | {p['rate']} | "
+                     f"{p['predicted_s']} | {p['observed_s']} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, doc: Mapping[str, Any], passes: Sequence[Pass]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    plots = _plots(doc, passes, out)
+    (out / "report.md").write_text(_markdown(doc, plots))
