@@ -47,35 +47,22 @@ _HOP_BY_HOP = frozenset(
 )
 
 
-def _json_object_after(data: bytes, start: int) -> Any:
-    """Parse the JSON object that begins at the first ``{`` at or after ``start``."""
+def _object_after(data: bytes, start: int) -> Any:
+    """Parse the JSON object opening at the first ``{`` at or after ``start``. Braces are
+    matched by counting, which is exact for ``usage`` objects (numbers and nested objects,
+    no strings) and costs a few C-level scans instead of a Python loop over bytes."""
     begin = data.find(b"{", start)
     if begin < 0:
         return None
-    depth = 0
-    in_str = False
-    i = begin
-    n = len(data)
-    while i < n:
-        c = data[i]
-        if in_str:
-            if c == 0x5C:  # backslash: skip the escaped byte
-                i += 1
-            elif c == 0x22:
-                in_str = False
-        elif c == 0x22:
-            in_str = True
-        elif c == 0x7B:
-            depth += 1
-        elif c == 0x7D:
-            depth -= 1
-            if depth == 0:
-                try:
-                    return orjson.loads(data[begin : i + 1])
-                except orjson.JSONDecodeError:
-                    return None
-        i += 1
-    return None
+    end = data.find(b"}", begin)
+    while end >= 0 and data.count(b"{", begin, end + 1) > data.count(b"}", begin, end + 1):
+        end = data.find(b"}", end + 1)
+    if end < 0:
+        return None
+    try:
+        return orjson.loads(data[begin : end + 1])
+    except orjson.JSONDecodeError:
+        return None
 
 
 def find_usage(data: bytes) -> dict[str, Any] | None:
@@ -87,7 +74,7 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
     colon = data.find(b":", at + len(_USAGE))
     if colon < 0 or data[colon + 1 : colon + 8].lstrip().startswith(b"null"):
         return None
-    usage = _json_object_after(data, colon)
+    usage = _object_after(data, colon)
     return usage if isinstance(usage, dict) else None
 
 
@@ -222,7 +209,10 @@ def _inspect_event(event: bytes, rec: CallRecord, strip_usage: bool) -> bool:
     """Take usage or an error from one event; True when the event is to be dropped."""
     payload = _event_payload(event)
     if payload.startswith(b'{"error"'):
-        obj = _json_object_after(payload, 0)
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            obj = None
         err = obj.get("error") if isinstance(obj, dict) else None
         message = err.get("message") if isinstance(err, dict) else err
         rec.error = f"upstream error event: {message}"
