@@ -1,0 +1,167 @@
+"""Benchmark: the paper's §7 comparisons, reproduced on the discrete-event simulator.
+
+``python -m bench.evaluate --out DIR [--quick]`` writes ``DIR/evaluation.json`` (every point
+and ``summary[workflow][gpus][system]``), ``DIR/evaluation.md`` (tables next to the paper's
+figures, and where Scepsy falls short) and PNG curves (``curves_*.png``, ``dynamic.png``).
+Every figure is *simulated*.
+
+Workflows: beam search, RAG + reranker, and both at once (beam fixed, RAG swept), on 4, 8 and
+16 emulated A6000 GPUs (``--quick``: 4 GPUs, 5 rates, shorter runs, fewer profile calls).
+Systems (``bench.eval_setup.SYSTEMS``): Scepsy as shipped (trace store -> stats, profiles by
+simulation, search + placement per rate: ``bench.eval_scepsy``), the Kubernetes HPA run
+dynamically (``bench.eval_dynsim``), per-LLM independent sizing and an even split
+(``bench.eval_static``), and Scepsy without TP / fractions / both. Rates are fractions of
+Scepsy's predicted capacity on each cluster; every system runs the same rates with the same
+seeds. A second scenario (``bench.eval_daemon``) steps the RAG rate while beam holds steady and
+compares the daemon's decisions with the autoscaler over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.eval_daemon import scenario
+from bench.eval_report import markdown, plot_curves, plot_dynamic, summarise
+from bench.eval_runs import PointJob, run_point
+from bench.eval_scepsy import Knowledge, capacity, knowledge_doc, learn, plan
+from bench.eval_setup import (
+    ABLATIONS,
+    COMBINED_BEAM_FRACTION,
+    FULL,
+    QUICK,
+    QUICK_RATE_FRACTIONS,
+    QUICK_SIZES,
+    RATE_FRACTIONS,
+    SIZES,
+    SYSTEMS,
+    WORKFLOWS,
+    RunLengths,
+)
+from bench.eval_static import even, independent, placeable
+
+
+def _jobs(k: Knowledge, gpus: int, kind: str, fractions: Sequence[float],
+          lengths: RunLengths, systems: Sequence[str]) -> tuple[list[PointJob], dict[str, Any]]:
+    beam_rate = 0.0
+    if kind == "combined":
+        beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
+        top = plan(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
+        light = max(k.light_latency.values())
+    else:
+        top = capacity(k, kind, gpus)
+        light = k.light_latency[kind]
+    jobs = []
+    for i, f in enumerate(fractions):
+        rate = f * top
+        targets = {"beam": beam_rate, "rag": rate} if kind == "combined" else {kind: rate}
+        kinds = tuple(targets)
+        for system in systems:
+            meta: dict[str, Any] = {}
+            allocation = None
+            if system in ABLATIONS:
+                tp, frac = ABLATIONS[system]
+                p = plan(k, targets, gpus, system, tp, frac)
+                allocation = p.allocation
+                meta = {"placed": p.placed, "feasible": p.feasible, "predicted": p.predicted,
+                        "sim_gpus": p.sim_gpus, "note": p.note}
+            elif system == "independent":
+                allocation = independent(k, targets, gpus)
+            elif system == "even":
+                allocation = even(kinds, gpus)
+            if allocation is not None and system in ("independent", "even"):
+                ok, why = placeable(allocation, gpus)
+                meta = {"placed": ok, "note": why}
+            if allocation is not None:
+                meta["allocation"] = [{"model": s.model, "replicas": s.count, "tp": s.tp,
+                                       "share": s.share} for s in allocation.replicas]
+            jobs.append(PointJob(system, kind, gpus, rate, beam_rate, allocation, lengths,
+                                 light, seed=1000 * gpus + 10 * i, meta=meta))
+    return jobs, {"capacity": top, "beam_rate": beam_rate}
+
+
+def _cost(job: PointJob) -> float:
+    """Rough simulated work, to start the longest jobs first."""
+    hpa = job.allocation is None
+    per_s = job.rate * (40.0 if job.kind == "beam" else 1.0) + job.beam_rate * 40.0
+    span = (job.lengths.hpa_warmup_s + job.lengths.hpa_window_s) if hpa else \
+        job.lengths.requests["beam" if job.kind == "beam" else "rag"] / job.rate
+    return per_s * span
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quick", action="store_true",
+                    help="4 GPUs, 5 rates, shorter runs (under 10 minutes on 2 cores)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--sizes", type=int, nargs="*", help="cluster sizes (default 4 8 16)")
+    ap.add_argument("--workflows", nargs="*", choices=WORKFLOWS, default=list(WORKFLOWS))
+    ap.add_argument("--rates", type=float, nargs="*", help="fractions of Scepsy's capacity")
+    ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic scenario")
+    ap.add_argument("--reuse-profiles", action="store_true",
+                    help="reuse DIR/knowledge.json from an earlier run with the same mode")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    lengths = QUICK if args.quick else FULL
+    sizes = tuple(args.sizes or (QUICK_SIZES if args.quick else SIZES))
+    fractions = tuple(args.rates or (QUICK_RATE_FRACTIONS if args.quick else RATE_FRACTIONS))
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases: dict[str, float] = {}
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        cache = args.out / "knowledge.json" if args.reuse_profiles else None
+        k = learn(pool, lengths.profile_calls, args.quick, cache)
+        phases["trace_and_profile"] = time.perf_counter() - started
+        jobs: list[PointJob] = []
+        sweeps: dict[str, Any] = {}
+        for gpus in sizes:
+            for kind in args.workflows:
+                js, info = _jobs(k, gpus, kind, fractions, lengths, SYSTEMS)
+                jobs += js
+                sweeps.setdefault(kind, {})[str(gpus)] = info
+        phases["plan"] = time.perf_counter() - started - sum(phases.values())
+        order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
+        done = dict(zip(order, pool.map(run_point, [jobs[i] for i in order]), strict=True))
+        points = [done[i] for i in range(len(jobs))]
+        phases["points"] = time.perf_counter() - started - sum(phases.values())
+        dynamic = None
+        if not args.no_dynamic:
+            dynamic = scenario(k, pool, sizes[0] if args.quick else 8, args.quick)
+            phases["dynamic"] = time.perf_counter() - started - sum(phases.values())
+    summary, shortfalls = summarise(points)
+    wall = time.perf_counter() - started
+    meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
+                                                               else argv),
+            "wall_s": wall, "workers": args.workers, "rate_fractions": fractions}
+    plots = plot_curves(points, args.out)
+    if dynamic is not None:
+        plots.append(plot_dynamic(dynamic, args.out))
+    report = {"label": "simulated", "quick": args.quick, "sizes": sizes, "systems": SYSTEMS,
+              "summary": summary, "shortfalls": shortfalls, "sweeps": sweeps,
+              "points": points, "dynamic": dynamic, "knowledge": knowledge_doc(k),
+              "plots": plots, "wall_s": round(wall, 1),
+              "phase_s": {p: round(v, 1) for p, v in phases.items()}}
+    (args.out / "evaluation.json").write_bytes(orjson.dumps(
+        report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+        | orjson.OPT_NON_STR_KEYS))
+    (args.out / "evaluation.md").write_text(markdown(summary, shortfalls, meta, dynamic))
+    brief = {wf: {g: {s: {k2: round(v, 3) if isinstance(v, float) else v
+                          for k2, v in e.items() if k2 in ("peak_throughput",
+                                                           "latency_ratio_to_scepsy_median")}
+                      for s, e in by.items()} for g, by in d.items()}
+             for wf, d in summary.items()}
+    print(orjson.dumps({"summary": brief, "wall_s": round(wall, 1), "phase_s": report["phase_s"]},
+                       option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
