@@ -8,12 +8,12 @@ Per workflow (beam search, RAG, a fan-out across two different LLMs):
    temporary store (``shared.store.SegmentWriter``) and summarise them with
    ``optimizer.stats`` — the production path;
 2. profile by simulation (``bench.sim_profile``): per model and (TP, share) used below, sweep
-   the workflow's rate with that model on one replica and every other model over-provisioned,
-   from light load until the model's achieved call throughput stops following the offered
-   rate, then refine near saturation;
+   the workflow's rate with that model on one replica (fractional shares: next to busy copies
+   of itself, as packed) and every other model over-provisioned, bisecting to the rate where
+   the replica stops keeping up, then adding points below it;
 3. for each allocation, predict ``T_w`` and the mean latency at 20%..90% of ``T_w`` with
-   ``optimizer.alp``, simulate the same rates, and simulate 1.5 x ``T_w`` to measure the
-   maximum throughput.
+   ``optimizer.alp``, simulate the same rates, and find the simulated maximum throughput as
+   the largest rate the allocation keeps up with (bracketed from ``T_w``, then bisected).
 
 Errors are relative to the simulation. Summary per workflow: ``throughput_error_max`` and
 ``latency_error_max`` (latency over points at <= 80% of predicted capacity). Targets: 10% and
@@ -35,7 +35,15 @@ from typing import Any
 
 import orjson
 
-from bench.sim_profile import REFINE, Case, ProfileJob, calls_to_rows, run_profile
+from bench.sim_profile import (
+    REFINE,
+    Case,
+    ProfileJob,
+    bracket,
+    calls_to_rows,
+    keeps_up,
+    run_profile,
+)
 from optimizer.alp import ModelAlloc, Pipeline, predict
 from optimizer.profiles import ProfileBook
 from optimizer.stats import WorkflowStats, summarise_store
@@ -46,11 +54,14 @@ from sim.workflows import BeamParams, FanoutParams, RagParams
 
 GPU = "a6000"
 LATENCY_LOAD_MAX = 0.8
-# Max throughput: the best completion rate, capped at the offered rate, of runs around the
-# predicted capacity. Deep overload is avoided: the simulated engines' throughput collapses
-# there (new prefills crowd out decodes), which would read far below the capacity.
-OVERLOADS = (0.9, 0.95, 1.0, 1.05, 1.1)
-OVERLOADS_QUICK = (0.9, 1.0, 1.1)
+# Max throughput: the largest workflow rate the allocation keeps up with (completions within
+# 5% of arrivals over a long window), bracketed around the prediction by steps of CAP_STEP
+# and bisected to CAP_PRECISION. A single overloaded run would not do: latency in overload
+# is the running batch over the throughput (~40 s for RAG on one A6000), longer than a short
+# window, and a prefix-sharing workflow's throughput sinks in sustained overload as its
+# prefix cache thrashes (hit rate 0.78 -> 0.53 for beam's verifier).
+CAP_STEP, CAP_PRECISION, CAP_PRECISION_QUICK = 1.1, 0.03, 0.06
+QUICK_ALLOCATIONS = 3
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
 
 # model -> (replicas, tp, share)
@@ -62,47 +73,50 @@ FAN = ("llama-3.2-1b", "llama-3-8b")
 
 
 def _cases() -> list[Case]:
+    # Fractional replicas come in pairs that fill a GPU (as a search that packs fractions
+    # would deploy them); the quick run takes the first QUICK_ALLOCATIONS of each list.
     return [
         Case("beam", BeamParams(), GPU, trace_rate=0.05, trace_requests=150, eval_requests=80,
-             profile_calls=3000,
+             profile_calls=3000, capacity_requests=400,
              allocations=[
                  {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 1, 1.0)},
                  {BEAM[0]: (1, 1, 1.0), BEAM[1]: (2, 1, 1.0)},
+                 {BEAM[0]: (2, 1, 0.5), BEAM[1]: (1, 1, 1.0)},
+                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 2, 1.0)},
                  {BEAM[0]: (2, 1, 1.0), BEAM[1]: (1, 1, 1.0)},
                  {BEAM[0]: (1, 1, 1.0), BEAM[1]: (3, 1, 1.0)},
                  {BEAM[0]: (2, 1, 1.0), BEAM[1]: (2, 1, 1.0)},
-                 {BEAM[0]: (1, 1, 0.5), BEAM[1]: (1, 1, 1.0)},
                  {BEAM[0]: (2, 1, 0.5), BEAM[1]: (2, 1, 1.0)},
-                 {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 2, 1.0)},
                  {BEAM[0]: (2, 1, 1.0), BEAM[1]: (1, 2, 1.0)},
-                 {BEAM[0]: (1, 1, 0.5), BEAM[1]: (2, 2, 1.0)},
+                 {BEAM[0]: (2, 1, 0.5), BEAM[1]: (2, 2, 1.0)},
              ]),
         Case("rag", RagParams(), GPU, trace_rate=0.5, trace_requests=300, eval_requests=300,
+             profile_calls=2500, capacity_requests=1500,
              allocations=[
                  {RAG[0]: (1, 1, 1.0), RAG[1]: (1, 1, 1.0), RAG[2]: (1, 1, 1.0)},
-                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (1, 1, 1.0)},
-                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (2, 1, 1.0)},
                  {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (2, 1, 1.0)},
+                 {RAG[0]: (2, 1, 0.5), RAG[1]: (2, 1, 1.0), RAG[2]: (3, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (1, 2, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (1, 1, 1.0)},
                  {RAG[0]: (1, 1, 1.0), RAG[1]: (2, 1, 1.0), RAG[2]: (3, 1, 1.0)},
-                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (1, 2, 1.0)},
-                 {RAG[0]: (1, 1, 0.5), RAG[1]: (2, 1, 0.5), RAG[2]: (2, 2, 1.0)},
-                 {RAG[0]: (2, 1, 0.5), RAG[1]: (1, 1, 1.0), RAG[2]: (3, 1, 1.0)},
-                 {RAG[0]: (1, 1, 1.0), RAG[1]: (1, 1, 0.5), RAG[2]: (4, 1, 1.0)},
-                 {RAG[0]: (1, 1, 0.5), RAG[1]: (2, 1, 1.0), RAG[2]: (1, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (3, 1, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (3, 1, 0.5), RAG[2]: (2, 2, 1.0)},
+                 {RAG[0]: (1, 1, 0.5), RAG[1]: (1, 1, 0.5), RAG[2]: (4, 1, 1.0)},
+                 {RAG[0]: (2, 1, 0.5), RAG[1]: (2, 1, 0.5), RAG[2]: (3, 1, 1.0)},
              ]),
         Case("fanout", FanoutParams(models=FAN), GPU, trace_rate=0.2, trace_requests=300,
-             eval_requests=200,
+             eval_requests=200, profile_calls=2500, capacity_requests=1000,
              allocations=[
                  {FAN[0]: (1, 1, 1.0), FAN[1]: (1, 1, 1.0)},
                  {FAN[0]: (1, 1, 1.0), FAN[1]: (2, 1, 1.0)},
-                 {FAN[0]: (1, 1, 0.5), FAN[1]: (1, 1, 1.0)},
-                 {FAN[0]: (1, 1, 0.5), FAN[1]: (2, 1, 1.0)},
+                 {FAN[0]: (2, 1, 0.5), FAN[1]: (2, 1, 1.0)},
+                 {FAN[0]: (1, 1, 1.0), FAN[1]: (1, 2, 1.0)},
                  {FAN[0]: (2, 1, 1.0), FAN[1]: (1, 1, 1.0)},
                  {FAN[0]: (1, 1, 1.0), FAN[1]: (3, 1, 1.0)},
-                 {FAN[0]: (1, 1, 1.0), FAN[1]: (1, 2, 1.0)},
-                 {FAN[0]: (1, 1, 0.5), FAN[1]: (1, 2, 1.0)},
+                 {FAN[0]: (2, 1, 0.5), FAN[1]: (1, 2, 1.0)},
+                 {FAN[0]: (2, 1, 0.5), FAN[1]: (3, 1, 1.0)},
                  {FAN[0]: (2, 1, 0.5), FAN[1]: (2, 2, 1.0)},
-                 {FAN[0]: (1, 1, 0.5), FAN[1]: (3, 1, 1.0)},
+                 {FAN[0]: (4, 1, 0.5), FAN[1]: (4, 1, 1.0)},
              ]),
     ]
 
@@ -111,11 +125,12 @@ def _cases() -> list[Case]:
 class EvalJob:
     case: Case
     alloc_index: int
-    fraction: float  # of predicted capacity
-    kind: str  # "latency" | "throughput"
+    fraction: float  # of predicted capacity (capacity jobs: where the bracket starts)
+    kind: str  # "latency" | "capacity"
     rate: float
     seed: int
     settle_s: float  # a few light-load request latencies: the pipeline's fill time
+    precision: float = CAP_PRECISION
 
 
 def _sim_allocation(case: Case, alloc: Alloc) -> Allocation:
@@ -148,19 +163,36 @@ def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
                    "calls_per_busy_s": per_busy_s}
 
 
+def _keeps_up(job: EvalJob, rate: float) -> tuple[bool, float]:
+    """One long run at ``rate``: did the workflow keep up, and its completions per second."""
+    case = job.case
+    spec = [WorkloadSpec(case.workflow, rate, case.params)]  # type: ignore[arg-type]
+    requests = case.capacity_requests / rate
+    warmup = max(job.settle_s, 0.25 * requests)
+    res = simulate(_sim_allocation(case, case.allocations[job.alloc_index]), spec,
+                   duration_s=warmup + requests, warmup_s=warmup, drain_s=0.0,
+                   seed=job.seed)  # the same arrivals, scaled, at every probed rate
+    wf = res.workflows[case.workflow]
+    span = res.window_s[1] - res.window_s[0]
+    return keeps_up(wf.started / span, wf.throughput), wf.throughput
+
+
 def _evaluate(job: EvalJob) -> dict[str, Any]:
     case = job.case
     alloc = case.allocations[job.alloc_index]
+    if job.kind == "capacity":
+        probes: list[tuple[float, bool, float]] = []
+
+        def probe(rate: float) -> bool:
+            ok, achieved = _keeps_up(job, rate)
+            probes.append((rate, ok, achieved))
+            return ok
+
+        started = time.perf_counter()
+        lo, hi = bracket(probe, job.rate, CAP_STEP, job.precision)
+        return {"capacity": lo, "overloaded_at": hi, "probes": probes,
+                "wall_s": time.perf_counter() - started}
     spec = [WorkloadSpec(case.workflow, job.rate, case.params)]  # type: ignore[arg-type]
-    if job.kind == "throughput":  # completions per second near capacity
-        # Count completions only once the pipeline has filled, over a window several
-        # request latencies long; a window shorter than that reads far below capacity.
-        warmup = job.settle_s
-        duration = warmup + max(case.eval_requests / job.rate, 3.0 * job.settle_s)
-        res = simulate(_sim_allocation(case, alloc), spec, duration_s=duration,
-                       warmup_s=warmup, drain_s=0.0, seed=job.seed)
-        achieved = min(res.workflows[case.workflow].throughput, job.rate)
-        return {"throughput": achieved, "wall_s": res.wall_s}
     n = case.eval_requests
     res = simulate(_sim_allocation(case, alloc), spec, n_requests=n,
                    warmup_s=0.1 * n / job.rate, seed=job.seed)
@@ -175,7 +207,8 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                    for m, (_, tp, share) in alloc.items()})
     target = case.profile_calls // 2 if quick else case.profile_calls
     return [ProfileJob(case, model, tp, share, n_per_request=stats.models[model].n,
-                       target_calls=target, refine=(0.5, 0.8, 0.9) if quick else REFINE,
+                       target_calls=target, refine=(0.3, 0.6, 0.8) if quick else REFINE,
+                       precision=0.08 if quick else 0.04,
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model])
             for model, tp, share in keys]
 
@@ -192,16 +225,18 @@ def _err(pred: float, sim: float) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--quick", action="store_true", help="4 allocations, 3 rates each")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_ALLOCATIONS} allocations, 3 rates each")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     started = time.perf_counter()
     cases = _cases()
     fractions = (0.3, 0.6, 0.8) if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
-    loads = OVERLOADS_QUICK if args.quick else OVERLOADS
+    precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
     if args.quick:
         cases = [replace(c, trace_requests=c.trace_requests // 2,
-                         eval_requests=c.eval_requests // 2, allocations=c.allocations[:4])
+                         eval_requests=c.eval_requests // 2,
+                         capacity_requests=c.capacity_requests * 2 // 5,
+                         allocations=c.allocations[:QUICK_ALLOCATIONS])
                  for c in cases]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         traced = list(pool.map(_trace, cases))
@@ -227,11 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allocation = {m: ModelAlloc(d, tp, share) for m, (d, tp, share) in alloc.items()}
                 cap = predict(pipes[case.workflow], books[case.workflow], allocation, 0.0)
                 predictions[case.workflow, i] = (allocation, cap.throughput)
-                runs = [(f, "latency") for f in fractions] + [(f, "throughput") for f in loads]
-                for k, (f, kind) in enumerate(runs):
-                    evals.append(EvalJob(case, i, f, kind, f * cap.throughput,
-                                         seed=100 + 10 * i + k,
-                                         settle_s=3.0 * settle[case.workflow]))
+                settle_s = 3.0 * settle[case.workflow]
+                # capacity jobs first: each is a sequence of runs, the longest jobs
+                evals.insert(0, EvalJob(case, i, 1.0, "capacity", cap.throughput,
+                                        seed=100 + 10 * i, settle_s=settle_s,
+                                        precision=precision))
+                for k, f in enumerate(fractions):
+                    evals.append(EvalJob(case, i, f, "latency", f * cap.throughput,
+                                         seed=101 + 10 * i + k, settle_s=settle_s))
         simulated = list(pool.map(_evaluate, evals, chunksize=1))
         phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
     report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
@@ -240,13 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipe, book = pipes[case.workflow], books[case.workflow]
         points: list[dict[str, Any]] = []
         thr_errors, lat_errors, paper_errors = [], [], []
-        best: dict[int, float] = {}
+        capacities: dict[int, dict[str, Any]] = {}
         for ev, sim in zip(evals, simulated, strict=True):
             if ev.case.workflow != case.workflow:
                 continue
             allocation, capacity = predictions[case.workflow, ev.alloc_index]
-            if ev.kind == "throughput":
-                best[ev.alloc_index] = max(best.get(ev.alloc_index, 0.0), sim["throughput"])
+            if ev.kind == "capacity":
+                capacities[ev.alloc_index] = sim
                 continue
             pred = predict(pipe, book, allocation, ev.rate)
             paper = predict(pipe, book, allocation, ev.rate, pooling=False)
@@ -262,13 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "failed": sim["failed"],
                            "scaled_profiles": [s.model for s in pred.stages
                                                if s.scaled_from is not None]})
-        for i, achieved in sorted(best.items()):
+        for i, sim in sorted(capacities.items()):
             allocation, capacity = predictions[case.workflow, i]
-            err = _err(capacity, achieved)
+            err = _err(capacity, sim["capacity"])
             thr_errors.append(err)
             points.append({"allocation": _alloc_doc(allocation), "kind": "max_throughput",
-                           "predicted": capacity, "simulated": achieved, "error": err,
-                           "offered_loads": list(loads)})
+                           "predicted": capacity, "simulated": sim["capacity"], "error": err,
+                           "simulated_overloaded_at": sim["overloaded_at"],
+                           "probes": [{"rate": r, "kept_up": ok, "throughput": a}
+                                      for r, ok, a in sim["probes"]]})
         report["workflows"][case.workflow] = {
             "trace": {**trace_info, "latency_cv": stats.latency_cv,
                       "overlap_factor": stats.overlap_factor,

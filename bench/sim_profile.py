@@ -2,16 +2,19 @@
 
 Role: the bench-side stand-in for ``scepsy profile`` (which replays traced calls against
 emulator processes). For one ``(model, tp, share)`` the workflow runs in ``sim.des`` with that
-model on a single replica and every other model of the workflow over-provisioned, so the
-model sees its real call mix, fan-out and prefix sharing. The workflow rate is doubled from
-light load until the model's achieved call throughput stops following the offered call rate
-(saturation found, not configured), then points at fixed fractions of the saturation estimate
-are added. Every figure here is *simulated*.
+model on one replica (a fractional share: on as many co-located replicas as fill one GPU, see
+``colocated``) and every other model of the workflow over-provisioned, so the model sees its
+real call mix, fan-out and prefix sharing. The rate is doubled from light load until the
+replica stops keeping up (``keeps_up``: saturation found, not configured), the bracket is
+bisected, then points at fixed fractions of the saturation estimate are added for the latency
+curve. ``bracket`` is shared with the accuracy bench, which finds a whole allocation's maximum
+throughput the same way. Every figure here is *simulated*.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +29,7 @@ from sim.workflows import WorkflowParams, models_of
 ENGINE = "sim-engine"
 BASE_US = 1_700_000_000_000_000  # simulated t=0 as a wall-clock time
 OVERPROVISION = 6  # replicas of every model that is not being profiled
-REFINE = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)  # fractions of the saturation estimate
+REFINE = (0.2, 0.4, 0.6, 0.8, 0.9)  # fractions of the saturation estimate
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Case:
     trace_requests: int
     eval_requests: int
     profile_calls: int = 1500  # calls of the profiled model per profile point
+    capacity_requests: int = 400  # workflow requests per run when bracketing max throughput
     allocations: list[dict[str, tuple[int, int, float]]] = field(default_factory=list)
 
 
@@ -53,6 +57,7 @@ class ProfileJob:
     target_calls: int  # calls of the model each point should measure
     start_rate: float  # calls/s of the first (light-load) point
     refine: tuple[float, ...] = REFINE
+    precision: float = 0.04  # bisect the saturation bracket down to this relative width
     max_doublings: int = 12
 
 
@@ -74,19 +79,67 @@ def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:
     return rows
 
 
+def colocated(share: float) -> int:
+    """Replicas of one share that fill a GPU: a fractional share is profiled next to busy
+    copies of itself, since an allocation packs fractions onto shared GPUs and co-located
+    replicas contend for HBM bandwidth (``sim.cluster``)."""
+    return max(1, int(1.0 / share + 1e-9))
+
+
+def keeps_up(offered: float, achieved: float) -> bool:
+    """The engine (or workflow) kept up: completions within ``FOLLOW_TOLERANCE`` of arrivals
+    over the same window, i.e. no backlog growing at more than that fraction of the rate."""
+    return achieved >= (1.0 - FOLLOW_TOLERANCE) * offered
+
+
+def bracket(probe: Callable[[float], bool], start: float, factor: float, precision: float,
+            max_expansions: int = 12) -> tuple[float, float]:
+    """``(lo, hi)``: the largest probed rate that kept up (0 if none) and the smallest that did
+    not (``inf`` if none). Steps from ``start`` by ``factor`` until the outcome flips, then
+    bisects geometrically until ``hi / lo <= 1 + precision``. Assumes keeping up is monotone
+    in the rate (noise near capacity can break that; the bracket is then still a bracket of
+    probed outcomes)."""
+    lo, hi = 0.0, math.inf
+    rate = start
+    for _ in range(max_expansions):
+        if probe(rate):
+            lo = rate
+            if hi < math.inf:
+                break
+            rate *= factor
+        else:
+            hi = rate
+            if lo > 0:
+                break
+            rate /= factor
+    while lo > 0 and hi < math.inf and hi / lo > 1.0 + precision:
+        mid = math.sqrt(lo * hi)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
 def _point(job: ProfileJob, call_rate: float, seed: int) -> ProfilePoint:
+    """One rate: ``colocated(share)`` replicas on one GPU, each offered ``call_rate``, behind
+    the simulator's default router (as an allocation's replicas are: prefix locality is lost
+    the same way; the queueing is pooled over the co-located copies, which the pipeline's
+    pooling correction then counts again, slightly under-predicting their latency)."""
     case = job.case
-    specs = [ReplicaSpec(job.model, case.gpu, job.tp, job.share, 1)]
+    k = colocated(job.share)
+    specs = [ReplicaSpec(job.model, case.gpu, job.tp, job.share, k)]
     specs += [ReplicaSpec(m, case.gpu, 1, 1.0, OVERPROVISION)
               for m in models_of(case.params) if m != job.model]
     duration = job.target_calls / call_rate
     warmup = 0.2 * duration
     res = simulate(Allocation(tuple(specs)),
-                   [WorkloadSpec(case.workflow, call_rate / job.n_per_request,  # type: ignore[arg-type]
+                   [WorkloadSpec(case.workflow, k * call_rate / job.n_per_request,  # type: ignore[arg-type]
                                  case.params)],
                    duration_s=duration, warmup_s=warmup, drain_s=0.5 * duration,
                    record_calls=True, seed=seed)
     end = res.window_s[1]
+    span = k * max(end - warmup, 1e-9)
     mine = [c for c in res.calls if c.call.model == job.model]
     started = [c for c in mine if warmup <= c.t_start < end]
     finished = sum(1 for c in mine if warmup <= c.t_end <= end)
@@ -98,8 +151,8 @@ def _point(job: ProfileJob, call_rate: float, seed: int) -> ProfilePoint:
         # offered: the calls the workflow actually submitted in the window (bursty workflows
         # stray far from the nominal rate over a short run); under overload the queue grows,
         # so completions fall behind submissions.
-        offered_rate=len(started) / max(end - warmup, 1e-9),
-        throughput=finished / max(end - warmup, 1e-9),
+        offered_rate=len(started) / span,
+        throughput=finished / span,
         lat_mean=float(lat.mean()), lat_p50=float(p50), lat_p90=float(p90),
         lat_p99=float(p99), ttft_mean=float(np.mean(ttft)) if ttft else 0.0,
         n_calls=len(started),
@@ -107,21 +160,21 @@ def _point(job: ProfileJob, call_rate: float, seed: int) -> ProfilePoint:
 
 
 def run_profile(job: ProfileJob) -> list[ProfilePoint]:
-    """Sweep from light load to saturation, then refine below the saturation estimate."""
+    """Double the rate from light load until the replica stops keeping up, bisect to
+    ``job.precision``, then add points below the saturation estimate for the latency curve."""
     points: list[ProfilePoint] = []
-    rate = job.start_rate
-    for k in range(job.max_doublings):
-        p = _point(job, rate, seed=1000 + k)
+
+    def probe(rate: float) -> bool:
+        p = _point(job, rate, seed=1000 + len(points))
         points.append(p)
-        if p.throughput < (1.0 - 2 * FOLLOW_TOLERANCE) * p.offered_rate:
-            break
-        rate *= 2.0
-    saturation = max(p.throughput for p in points)
+        return keeps_up(p.offered_rate, p.throughput)
+
+    bracket(probe, job.start_rate, 2.0, job.precision, job.max_doublings)
+    kept = [p.throughput for p in points if keeps_up(p.offered_rate, p.throughput)]
+    saturation = max(kept, default=points[0].throughput)
     for k, frac in enumerate(job.refine):
         target = frac * saturation
         if any(abs(p.offered_rate - target) < 0.05 * target for p in points):
             continue
         points.append(_point(job, target, seed=2000 + k))
-    # Just past the estimate: pins the plateau (deep overload thrashes and reads lower).
-    points.append(_point(job, 1.15 * saturation, seed=3000))
     return sorted(points, key=lambda p: p.offered_rate)
