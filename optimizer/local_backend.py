@@ -59,6 +59,8 @@ __all__ = ["LocalBackend"]
 
 log = logging.getLogger(__name__)
 
+_RELAUNCHES = 3  # per wait, for engines that lost their port before binding it
+
 
 class LocalBackend:
     """:class:`optimizer.backend.Backend` over processes on this machine."""
@@ -259,17 +261,41 @@ class LocalBackend:
                                    f"{self.local.ready_timeout_s:g} s")
             await self._sleep(self.local.poll_interval_s)
 
+    def _relaunch(self, group: GroupSpec, replica_id: str) -> None:
+        """Launch one replica again on a fresh port (another process took the one picked)."""
+        rec = self.state.get(group.id)
+        assert rec is not None
+        ports = {r.id: p.port if (p := rec.engine(r.id)) else 0 for r in group.replicas}
+        ports[replica_id] = self._pick_port(self._taken_ports())
+        launch = next(x for x in launches(group, self.rollout, self.cluster, ports, self.state.path)
+                      if x.role == "engine" and x.name == replica_id)
+        log.warning("replica %s lost its port to another process; relaunched on port %d",
+                    replica_id, launch.port)
+        self._launch(rec, launch)
+
     async def _wait_engines(self, group: GroupSpec, ids: Sequence[str]) -> None:
         deadline = self._clock() + self.local.ready_timeout_s
+        relaunches = 0
         while True:
             rec = self.state.get(group.id)
             procs = [rec.engine(rid) if rec else None for rid in ids]
+            relaunched = False
             for rid, p in zip(ids, procs, strict=True):
                 if p is None:
                     raise RolloutError(f"replica {rid} of group {group.id} was not started")
-                if not alive(p):
-                    raise RolloutError(f"replica {rid} ({p.model}) exited before it was ready; "
-                                       f"log {p.log}: {log_tail(p.log)}")
+                if alive(p):
+                    continue
+                tail = log_tail(p.log)
+                # The port was free when picked; another process may bind it before the engine.
+                if "address already in use" in tail.lower() and relaunches < _RELAUNCHES:
+                    relaunches += 1
+                    self._relaunch(group, rid)
+                    relaunched = True
+                    continue
+                raise RolloutError(f"replica {rid} ({p.model}) exited before it was ready; "
+                                   f"log {p.log}: {tail}")
+            if relaunched:
+                continue
             health = await asyncio.gather(*(self._healthy(p.url) for p in procs if p))
             if all(health):
                 return

@@ -301,7 +301,22 @@ def spawn(launch: Launch, record: ProcRecord, state: Path) -> ProcRecord:
         except OSError as exc:
             raise OSError(f"cannot start {launch.argv[0]}: {exc}") from exc
     _CHILDREN[child.pid] = child
+    _await_exec(child.pid)
     return replace(record, pid=child.pid, pid_start=start_time(child.pid), started_at=time.time())
+
+
+def _await_exec(pid: int, limit_s: float = 2.0) -> None:
+    """Wait (milliseconds) until the new program's environment shows in ``/proc``: Popen returns
+    as soon as the exec passed its point of no return, while ``environ`` still reads empty, and
+    :func:`find_tagged` must see the tag of every process it is asked about."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/environ").read_bytes():
+                return
+        except OSError:
+            return  # gone already; the caller finds out
+        time.sleep(0.001)
 
 
 def _signal_group(proc: ProcRecord, sig: signal.Signals) -> None:
@@ -342,8 +357,11 @@ async def terminate(procs: Iterable[ProcRecord], grace_s: float,
 
 
 def log_tail(path: str, lines: int = 5) -> str:
+    """The last ``lines`` lines the latest run (after the last ``---`` header) wrote."""
     try:
         text = Path(path).read_text(errors="replace").rstrip().splitlines()
     except OSError:
         return "(no log)"
-    return " | ".join(text[-lines:]) or "(empty log)"
+    starts = [i for i, line in enumerate(text) if line.startswith("--- ")]
+    run = text[starts[-1] + 1:] if starts else text
+    return " | ".join(run[-lines:]) or "(empty log)"

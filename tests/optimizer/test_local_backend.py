@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -46,8 +47,8 @@ def rollout_settings(state: Path, proxies: list[str], *, speedup: float = 100.0,
         "drain_s": drain_s,
         "models": [{"name": E5, "extra_args": fast}, {"name": LLAMA, "extra_args": fast}],
         "local": {"state_dir": str(state), "proxies": proxies, "admin_token": TOKEN,
-                  "ready_timeout_s": 20.0, "stop_grace_s": 3.0, "poll_interval_s": 0.05,
-                  "request_timeout_s": 2.0, **local},
+                  "ready_timeout_s": 30.0, "stop_grace_s": 3.0, "poll_interval_s": 0.05,
+                  "request_timeout_s": 10.0, **local},
     })
 
 
@@ -411,6 +412,51 @@ async def test_a_drain_lasts_until_the_calls_in_flight_finish(
             assert await task == 200
         assert 0.2 < waited < rollout.drain_s
         await b.stop(groups[0].id)
+        check_no_duplicates(b, ())
+    finally:
+        await b.close()
+
+
+class PortThief(LocalBackend):
+    """Picks, once, a port another process already holds (as if it took it after the pick)."""
+
+    def __init__(self, *args: Any, busy: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.busy: int | None = busy
+
+    def _pick_port(self, taken: set[int]) -> int:
+        port, self.busy = self.busy, None
+        return port if port is not None else super()._pick_port(taken)
+
+
+async def test_an_engine_that_lost_its_port_is_relaunched_on_another(
+    rollout: RolloutSettings, proxy: ProxyHandle
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        b = PortThief(rollout, CLUSTER, busy=busy)
+        try:
+            groups = target(rollout, (E5, (0,), 1.0))
+            await converge(b, groups)
+            (proc,) = b.state.load()[groups[0].id].procs
+            assert proc.port != busy and b"address already in use" in read(proc.log).lower()
+            assert routed(proxy) == {(E5, proc.url)}
+        finally:
+            await b.close()
+
+
+async def test_an_engine_that_fails_to_start_is_reported_with_its_log(state: Path) -> None:
+    rollout = decode(RolloutSettings, {
+        "models": [{"name": "bogus", "source": "no-such-model"}],
+        "local": {"state_dir": str(state), "ready_timeout_s": 30.0, "poll_interval_s": 0.05}})
+    b = LocalBackend(rollout, CLUSTER)
+    try:
+        (group,) = target(rollout, ("bogus", (0,), 1.0))
+        with pytest.raises(RolloutError, match=r"exited before it was ready.*invalid choice"):
+            await converge(b, (group,))
+        assert (await b.observe()).replicas == ()  # forgotten, nothing left running
         check_no_duplicates(b, ())
     finally:
         await b.close()
