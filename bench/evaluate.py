@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workflows", nargs="*", choices=WORKFLOWS, default=list(WORKFLOWS))
     ap.add_argument("--rates", type=float, nargs="*", help="fractions of Scepsy's capacity")
     ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic scenario")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply run lengths (requests per point, autoscaler windows)")
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="reuse DIR/knowledge.json from an earlier run with the same mode")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     lengths = QUICK if args.quick else FULL
+    if args.scale != 1.0:
+        lengths = replace(lengths, requests={k: max(1, round(v * args.scale))
+                                             for k, v in lengths.requests.items()},
+                          hpa_warmup_s=lengths.hpa_warmup_s * args.scale,
+                          hpa_window_s=lengths.hpa_window_s * args.scale)
     sizes = tuple(args.sizes or (QUICK_SIZES if args.quick else SIZES))
     fractions = tuple(args.rates or (QUICK_RATE_FRACTIONS if args.quick else RATE_FRACTIONS))
     args.out.mkdir(parents=True, exist_ok=True)

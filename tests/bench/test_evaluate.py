@@ -1,0 +1,86 @@
+"""Smoke test of bench.evaluate on a tiny configuration: every system, every workflow, JSON shape.
+
+The profiles and pipelines are a small hand-written fake of what tracing and profiling produce
+(written where ``--reuse-profiles`` reads them), so the test exercises planning, the static and
+autoscaled simulations and the report without minutes of profiling.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench import evaluate
+from bench.eval_scepsy import PROFILE_KEYS
+from bench.eval_setup import SYSTEMS, WORKFLOWS
+
+# model -> (calls per request, parallelism, light-load call latency s, whole-GPU calls/s)
+FAKE = {
+    "llama-3.2-1b": (40.0, 4.0, 1.0, 20.0),
+    "llama-3.1-8b-prm": (40.0, 4.0, 0.15, 25.0),
+    "e5-base-v2": (1.0, 1.0, 0.01, 400.0),
+    "bge-reranker-base": (1.0, 1.0, 0.08, 60.0),
+    "llama-3-8b": (1.0, 1.0, 0.6, 5.0),
+}
+
+
+def _point(model: str, tp: int, share: float, load: float) -> dict[str, object]:
+    _, _, lat, cap = FAKE[model]
+    t = cap * share * (1.6 if tp == 2 else 1.0)
+    rate = load * t
+    latency = lat / (1.0 - min(load, 0.95))
+    return {"model": model, "engine": "sim-engine", "gpu_type": "a6000", "tp": tp,
+            "share": share, "offered_rate": rate, "throughput": min(rate, t),
+            "lat_mean": latency, "lat_p50": latency, "lat_p90": 1.5 * latency,
+            "lat_p99": 2 * latency, "ttft_mean": lat / 4, "n_calls": 500}
+
+
+def _knowledge() -> dict[str, object]:
+    def stages(models: tuple[str, ...]) -> list[dict[str, object]]:
+        return [{"model": m, "n": FAKE[m][0], "p": FAKE[m][1]} for m in models]
+    return {
+        "pipelines": {
+            "beam": {"workflow": "beam", "stages": stages(("llama-3.2-1b", "llama-3.1-8b-prm")),
+                     "overlap": 1.0, "tool_time": 0.0},
+            "rag": {"workflow": "rag", "stages": stages(("e5-base-v2", "bge-reranker-base",
+                                                         "llama-3-8b")),
+                    "overlap": 1.0, "tool_time": 0.005}},
+        "points": [_point(m, tp, s, load) for m, keys in PROFILE_KEYS.items()
+                   for tp, s in keys for load in (0.2, 0.6, 0.9, 1.2)],
+        "light_latency": {"beam": 12.0, "rag": 0.8},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
+    (tmp_path / "knowledge.json").write_bytes(orjson.dumps(_knowledge()))
+    rc = evaluate.main(["--out", str(tmp_path), "--quick", "--reuse-profiles", "--no-dynamic",
+                        "--rates", "0.08", "--scale", "0.15", "--workers", "1"])
+    assert rc == 0
+    doc = orjson.loads((tmp_path / "evaluation.json").read_bytes())
+    assert doc["label"] == "simulated"
+    summary = doc["summary"]
+    assert set(summary) == set(WORKFLOWS)
+    for wf in WORKFLOWS:
+        assert set(summary[wf]) == {"4"}
+        assert set(summary[wf]["4"]) == set(SYSTEMS)
+        for system, entry in summary[wf]["4"].items():
+            assert {"peak_throughput", "latency_ratio_to_scepsy_median"} <= set(entry)
+            assert entry["peak_throughput"] >= 0.0
+            if system == "scepsy" and entry["peak_throughput"] > 0:
+                assert math.isclose(entry["latency_ratio_to_scepsy_median"], 1.0)
+    points = doc["points"]
+    assert {(p["workflow"], p["system"]) for p in points} == {
+        (wf, s) for wf in WORKFLOWS for s in SYSTEMS}
+    assert all(p["label"] == "simulated" for p in points)
+    hpa = [p for p in points if p["system"] == "hpa"]
+    assert all("scaling_events" in p for p in hpa)
+    md = (tmp_path / "evaluation.md").read_text()
+    for wf in WORKFLOWS:
+        assert f"## {wf}" in md
+    assert {f"curves_{wf}_4gpus.png" for wf in WORKFLOWS} <= set(doc["plots"])
+    assert all((tmp_path / f).stat().st_size > 0 for f in doc["plots"])
