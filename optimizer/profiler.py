@@ -66,7 +66,9 @@ class SweepSettings:
     start_fraction: float = 0.1  # of the probe's capacity estimate
     growth: float = 1.5
     max_points: int = 12
-    refine: tuple[float, ...] = (0.5, 0.8, 0.9)  # fractions of the saturation estimate
+    # fractions of the plateau (best throughput so far): T_m is the highest rate the engine
+    # kept up with (optimizer.profiles), so points just below the plateau decide it
+    refine: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)
     overshoot: tuple[float, ...] = (1.5,)  # past the estimate: pins the plateau
     probe_concurrency: int = 256
     probe_max_s: float = 8.0
@@ -78,7 +80,7 @@ class SweepSettings:
 
 QUICK = SweepSettings(calls_per_point=400, min_groups_per_point=20, min_point_s=2.0,
                       max_point_s=10.0, start_fraction=0.2, growth=2.0, max_points=7,
-                      refine=(0.7,), probe_max_s=4.0)
+                      refine=(0.9, 0.95), overshoot=(), probe_max_s=4.0)
 
 
 @dataclass(frozen=True, slots=True)
