@@ -48,20 +48,23 @@ from optimizer.decide import (
     snapshot_from_stats,
 )
 from optimizer.decision_log import DecisionRow, save_decision_async
-from optimizer.placement import Placement
+from optimizer.placement import Placement, PlacementError, place
 from optimizer.plan import Observed, Plan, make_plan, target_from_placement
 from optimizer.profiles import ProfileBook, db_path, load_points_async
 from optimizer.proposal import (
     Running,
     allocation_doc,
+    cluster_variants,
+    cluster_without,
     make_proposal,
     pipelines,
     predict_running,
+    remembered,
     running_allocation,
     running_doc,
     search_problem,
 )
-from optimizer.search import SearchResult, search_and_place
+from optimizer.search import SearchResult, replica_demands, search_and_place
 from optimizer.stats import Window, WorkflowStats, summarise_store
 from shared.cluster import cluster_from_settings
 from shared.settings import Settings
@@ -120,11 +123,14 @@ class Daemon:
     last_tick_end: float | None = None  # monotonic
     _data_start_us: int | None = None
     _book_cache: tuple[int | None, ProfileBook] | None = None
+    _known: dict[str, Pipeline] = field(default_factory=dict)  # last trusted pipelines
+    _placed: Placement | None = None  # the layout the last plan was made for
 
     def __post_init__(self) -> None:
         self.cfg = self.settings.optimizer
         self.store = self.settings.store.path
         self.cluster = cluster_from_settings(self.settings.cluster)
+        self.search_cluster = cluster_without(self.cluster, self.cfg.reserve_gpus)
 
     # --- one pass --------------------------------------------------------------------------
     def _read(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
@@ -147,7 +153,10 @@ class Daemon:
         self.metrics.observe_stats(stats)
         observed = await self.backend.observe()
         self._observe_allocation(observed)
-        pipes = pipelines(self._planned(stats))
+        pipes = {w: remembered(p, self._known.get(w))
+                 for w, p in pipelines(self._planned(stats)).items()}
+        self._known |= {w: p for w, p in pipes.items()
+                        if stats[w].requests >= self.cfg.min_requests}
         rates = {w: s.arrival_rate for w, s in stats.items()}
         book = await self._book()
         running = running_allocation(observed, pipes, rates)
@@ -185,21 +194,21 @@ class Daemon:
             if missing:
                 raise PlanningError(f"no profile for model(s) {', '.join(missing)}: run "
                                     "`scepsy profile` (profiles are read from the store)")
-            problem = search_problem(self.settings, pipes, rates, book, self.cluster)
+            problem = search_problem(self.settings, pipes, rates, book, self.search_cluster)
             placed = await asyncio.to_thread(search_and_place, problem)
             search_s = time.perf_counter() - t0
             self.metrics.search_time.observe(search_s)
             if placed.placement is None:
                 raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
-            target = target_from_placement(placed.placement, self.settings.rollout.revisions())
-            plan = make_plan(observed, target, self.cluster)
+            plan = self._safe_plan(observed, placed.result, placed.placement)
             proposal = make_proposal(placed.result, plan, report.predicted_now, rates)
         except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
             decision, self.state = failed(self.state, det, f"{type(exc).__name__}: {exc}")
             return replace(report, decision=decision, search_s=time.perf_counter() - t0)
         decision, decided = judge(self.state, det, proposal, self.cfg)
         report = replace(report, decision=decision, result=placed.result,
-                       placement=placed.placement, plan=plan, search_s=search_s)
+                         placement=self._placed or placed.placement, plan=plan,
+                         search_s=search_s)
         if not decision.taken:
             self.state = decided
             return report
@@ -219,6 +228,31 @@ class Daemon:
         self.metrics.rollout_time.observe(rollout_s)
         self.state = after_rollout(decided, self.state, self.clock(), ok)
         return replace(report, outcome=outcome, rollout_s=rollout_s)
+
+    def _safe_plan(self, observed: Observed, result: SearchResult,
+                   placement: Placement) -> Plan:
+        """The plan to ``placement``, or to another layout of the same allocation whose plan
+        leaves no served model without a replica; :class:`PlanningError` if none does."""
+        revisions = self.settings.rollout.revisions()
+        plan = make_plan(observed, target_from_placement(placement, revisions), self.cluster)
+        self._placed = placement
+        if plan.safe:
+            return plan
+        floors = {m.name: m.min_memory_bytes for m in self.settings.rollout.models}
+        demands = replica_demands(result, floors)
+        for variant in cluster_variants(self.search_cluster)[1:]:
+            try:
+                other = place(variant, demands)
+            except PlacementError:
+                continue
+            alt = make_plan(observed, target_from_placement(other, revisions), self.cluster)
+            if alt.safe:
+                self._placed = other
+                return alt
+        raise PlanningError(
+            f"no rollout order keeps every model served ({', '.join(plan.outages)} would be "
+            "without a replica for a while); optimizer.reserve_gpus leaves room for "
+            "temporary copies")
 
     def _planned(self, stats: Mapping[str, WorkflowStats]) -> dict[str, WorkflowStats]:
         """The workflows to plan for: those with enough completed requests in the window, and

@@ -51,6 +51,7 @@ from optimizer.local_backend import LocalBackend
 from optimizer.placement import ReplicaDemand, place
 from optimizer.plan import target_from_placement
 from optimizer.profiles import ProfileBook, import_json, save_points
+from optimizer.proposal import cluster_without
 from shared.cluster import cluster_from_settings
 from shared.settings import Settings, load_settings
 
@@ -60,18 +61,18 @@ BEAM_MODELS = ("llama-3.2-1b", "llama-3.1-8b-prm")
 RAG_MODELS = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
 FLOORS_GB = {"llama-3.2-1b": 6, "llama-3.1-8b-prm": 20, "llama-3-8b": 20, "e5-base-v2": 1,
              "bge-reranker-base": 1.5}  # as examples/cluster.yaml
-# Before any search: beam's two models share GPU 0, RAG's encoders GPU 1, its generator GPU 2.
+# Before any search (on the two GPUs the search may use): beam's models share GPU 0, RAG's GPU 1.
 BOOTSTRAP = [{"model": "llama-3.2-1b", "workflow": "beam", "share": 0.5},
              {"model": "llama-3.1-8b-prm", "workflow": "beam", "share": 0.5},
              {"model": "e5-base-v2", "workflow": "rag", "share": 0.25},
              {"model": "bge-reranker-base", "workflow": "rag", "share": 0.25},
-             {"model": "llama-3-8b", "workflow": "rag", "share": 1.0}]
+             {"model": "llama-3-8b", "workflow": "rag", "share": 0.5}]
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    beam_rate: float = 0.8  # requests/s
-    rag_rate: float = 2.5
+    beam_rate: float = 0.6  # requests/s
+    rag_rate: float = 2.0
     factor: int = 3  # RAG drivers after the shift
     beam: tuple[int, int, int] = (2, 2, 5)  # beams, width, iterations (kept light for 2 cores)
     passages: int = 200
@@ -128,6 +129,8 @@ def settings_doc(run: Path, proxy_port: int, token: str, cfg: DemoConfig) -> dic
             "windows_to_confirm": cfg.windows_to_confirm, "cooldown_s": 2 * cfg.window_s,
             "min_gain": 0.05, "horizon_s": 600.0, "cold_start_s": 3.0,
             "latency_drift_threshold": 1.0, "granularity": 4, "headroom": 0.1,
+            # Two GPUs stay free for temporary copies: every rollout is make-before-break.
+            "reserve_gpus": 2,
             "listen": "127.0.0.1:0",
         },
     }
@@ -192,10 +195,11 @@ async def _wait_proc(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
 
 async def _bootstrap(settings: Settings, backend: LocalBackend) -> None:
     cluster = cluster_from_settings(settings.cluster)
+    usable = cluster_without(cluster, settings.optimizer.reserve_gpus)
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
     demands = [ReplicaDemand(e.workflow, e.model, e.tp, e.share, None, floors[e.model])
                for e in settings.rollout.allocation for _ in range(e.replicas)]
-    target = target_from_placement(place(cluster, demands), settings.rollout.revisions())
+    target = target_from_placement(place(usable, demands), settings.rollout.revisions())
     await converge(backend, target, cluster=cluster)
 
 

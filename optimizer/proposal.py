@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from optimizer.alp import ModelAlloc, Pipeline, predict
@@ -28,7 +29,7 @@ from optimizer.plan import Observed, Plan
 from optimizer.profiles import ProfileBook, ProfileError
 from optimizer.search import SearchProblem, SearchResult, WorkflowTarget
 from optimizer.stats import WorkflowStats
-from shared.cluster import GB, Cluster
+from shared.cluster import GB, Cluster, Node, NvlinkDomain
 from shared.settings import Settings
 
 __all__ = [
@@ -50,6 +51,17 @@ def pipelines(stats: Mapping[str, WorkflowStats]) -> dict[str, Pipeline]:
     """The ALP of every workflow with traffic and at least one model."""
     return {w: Pipeline.from_stats(s) for w, s in stats.items()
             if s.requests > 0 and s.arrival_rate > 0 and s.models}
+
+
+def remembered(pipe: Pipeline, known: Pipeline | None) -> Pipeline:
+    """``pipe`` plus the stages of ``known`` (the workflow's last trusted pipeline) that this
+    window lacks: a model whose calls are all still running (calls are recorded when they
+    end, so an overloaded model can vanish from a window) is not a model the workflow dropped."""
+    if known is None:
+        return pipe
+    have = {st.model for st in pipe.stages}
+    extra = tuple(st for st in known.stages if st.model not in have)
+    return replace(pipe, stages=pipe.stages + extra) if extra else pipe
 
 
 def search_problem(settings: Settings, pipes: Mapping[str, Pipeline],
@@ -101,6 +113,39 @@ def predict_running(pipes: Mapping[str, Pipeline], book: ProfileBook, running: R
             out[w] = predict(pipe, book, alloc, rates.get(w, 0.0)).latency
         except ProfileError:
             continue
+    return out
+
+
+def cluster_without(cluster: Cluster, reserve: int) -> Cluster:
+    """The cluster less its ``reserve`` highest-numbered GPUs, taken from the last nodes."""
+    nodes = list(cluster.nodes)
+    while reserve > 0 and nodes:
+        last = nodes.pop()
+        indices = sorted(g.index for g in last.gpus)
+        drop = set(indices[max(0, len(indices) - reserve):])
+        reserve -= len(drop)
+        domains = tuple(NvlinkDomain(tuple(g for g in d.gpus if g.index not in drop))
+                        for d in last.domains if any(g.index not in drop for g in d.gpus))
+        if domains:
+            nodes.append(Node(last.name, domains))
+            break
+    if not nodes:
+        raise ValueError("optimizer.reserve_gpus leaves no GPU to allocate")
+    return Cluster(tuple(nodes))
+
+
+def cluster_variants(cluster: Cluster) -> list[Cluster]:
+    """The same GPUs listed in other orders (NVLink domains, and GPUs inside them, reversed):
+    placement breaks ties by order, so a variant may lay replicas out where a rollout can
+    move them without leaving a model unserved."""
+    out = [cluster]
+    for flip_domains, flip_gpus in ((True, False), (False, True), (True, True)):
+        nodes = []
+        for node in cluster.nodes:
+            doms = tuple(NvlinkDomain(tuple(reversed(d.gpus)) if flip_gpus else d.gpus)
+                         for d in node.domains)
+            nodes.append(Node(node.name, tuple(reversed(doms)) if flip_domains else doms))
+        out.append(Cluster(tuple(nodes)))
     return out
 
 

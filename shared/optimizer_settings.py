@@ -77,6 +77,12 @@ class OptimizerSettings:
         3600.0, doc="least time between two profiling runs of one model"
     )
     granularity: int = setting(10, doc="GPU-share units per GPU the search considers")
+    reserve_gpus: int = setting(
+        0,
+        doc="whole GPUs the search leaves free (the highest-numbered of the last node), so "
+        "that a rollout can start temporary copies there and never leave a model unserved "
+        "while its replicas move; 0 on a cluster with room to spare",
+    )
     headroom: float = setting(
         0.1, doc="the chosen throughput must cover the arrival rate x (1 + headroom)"
     )
@@ -105,6 +111,8 @@ class OptimizerSettings:
                 raise SettingsError(key, "must be positive (a relative change, 0.3 = 30%)")
         if self.settle_s >= self.window_s:
             raise SettingsError("settle_s", "must be shorter than window_s")
+        if self.reserve_gpus < 0:
+            raise SettingsError("reserve_gpus", "must not be negative")
         for key in ("windows_to_confirm", "granularity", "min_requests"):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")
