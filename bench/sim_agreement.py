@@ -80,7 +80,7 @@ class Plan:
 
 # Speed-ups: the client, proxy and emulator CPU per request (~50 ms on this 2-core machine)
 # is wall time the model's clock does not count; x speed-up it inflates emulated latencies.
-FULL = Plan(speedup=1.0, fractions=(0.25, 0.5, 0.75), warmup_s=15.0, duration_s=130.0,
+FULL = Plan(speedup=1.0, fractions=(0.25, 0.5, 0.75), warmup_s=15.0, duration_s=110.0,
             passages=2_000)
 QUICK = Plan(speedup=2.0, fractions=(0.25, 0.5, 0.75), warmup_s=10.0, duration_s=70.0,
              passages=2_000, long_run_s=600.0)
