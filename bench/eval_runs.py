@@ -53,6 +53,8 @@ def _window(job: PointJob) -> tuple[float, float, float]:
     else:
         warm = lengths.warmup_latencies * job.light_latency
         window = max(n / job.rate, lengths.min_window_latencies * job.light_latency)
+        if job.kind == "combined":  # enough beam requests too, not only RAG's
+            window = max(window, lengths.requests["beam"] / job.beam_rate)
     return warm, warm + window, 3.0 * job.light_latency + 30.0
 
 
@@ -75,7 +77,10 @@ def run_point(job: PointJob) -> dict[str, Any]:
     specs = workloads(job.kind, job.rate, job.beam_rate)
     extra: dict[str, Any] = {}
     if job.allocation is None:
-        hpa = Hpa(workflow_models(job.kind), job.gpus)
+        models = workflow_models(job.kind)
+        if len(models) > job.gpus:  # one whole-GPU pod per model cannot even start
+            return _unserved(job, set(models[job.gpus:]))
+        hpa = Hpa(models, job.gpus)
         sim = DynamicSimulation(hpa.initial(), specs, job.seed, hpa, COLD_START_S)
         res = run_dynamic(sim, horizon, warm, drain)
         in_window = [c for c in sim.changes if warm <= c.t < horizon]

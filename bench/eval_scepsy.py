@@ -120,10 +120,11 @@ def _jobs(kind: str, stats: WorkflowStats, per_busy: Mapping[str, float],
             for m in workflow_models(kind) for tp, share in PROFILE_KEYS[m]]
 
 
-def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None) -> Knowledge:
-    """Trace both workflows and profile every model (in ``pool``); ``cache``: a JSON file
-    holding the result of an earlier run with the same settings, reused when present."""
-    if cache is not None and cache.exists():
+def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None,
+          reuse: bool = False) -> Knowledge:
+    """Trace both workflows and profile every model (in ``pool``); the result is saved to the
+    JSON file ``cache``, and with ``reuse`` read from it instead when it exists."""
+    if cache is not None and reuse and cache.exists():
         return _from_doc(orjson.loads(cache.read_bytes()))
     kinds = ("beam", "rag")
     traced = dict(zip(kinds, pool.map(_trace, kinds), strict=True))

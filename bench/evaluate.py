@@ -37,6 +37,7 @@ from bench.eval_scepsy import Knowledge, capacity, knowledge_doc, learn, plan
 from bench.eval_setup import (
     ABLATIONS,
     COMBINED_BEAM_FRACTION,
+    DYNAMIC_GPUS,
     FULL,
     QUICK,
     QUICK_RATE_FRACTIONS,
@@ -125,8 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     phases: dict[str, float] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        cache = args.out / "knowledge.json" if args.reuse_profiles else None
-        k = learn(pool, lengths.profile_calls, args.quick, cache)
+        k = learn(pool, lengths.profile_calls, args.quick, args.out / "knowledge.json",
+                  args.reuse_profiles)
         phases["trace_and_profile"] = time.perf_counter() - started
         jobs: list[PointJob] = []
         sweeps: dict[str, Any] = {}
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases["points"] = time.perf_counter() - started - sum(phases.values())
         dynamic = None
         if not args.no_dynamic:
-            dynamic = scenario(k, pool, sizes[0] if args.quick else 8, args.quick)
+            dynamic = scenario(k, pool, DYNAMIC_GPUS, args.quick)
             phases["dynamic"] = time.perf_counter() - started - sum(phases.values())
     summary, shortfalls = summarise(points)
     wall = time.perf_counter() - started
