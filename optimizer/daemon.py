@@ -45,6 +45,7 @@ from optimizer.decide import (
     detect,
     failed,
     judge,
+    keep_running,
     snapshot_from_stats,
 )
 from optimizer.decision_log import DecisionRow, save_decision_async
@@ -183,6 +184,10 @@ class Daemon:
                       book: ProfileBook) -> TickReport:
         """Search, place and plan for the window's traffic; judge; roll out if decided."""
         t0 = time.perf_counter()
+        if not pipes:
+            decision, self.state = keep_running(
+                self.state, det, "no workflow has enough traffic to plan for: what runs stays")
+            return replace(report, decision=decision)
         try:
             unknown = sorted({st.model for p in pipes.values() for st in p.stages}
                              - set(self.settings.rollout.revisions()))

@@ -54,6 +54,7 @@ __all__ = [
     "detect",
     "failed",
     "judge",
+    "keep_running",
     "snapshot_from_stats",
 ]
 
@@ -305,6 +306,13 @@ def judge(state: DetectorState, det: Detection, proposal: Proposal | None,
         figures += f"; below min_gain {cfg.min_gain:.0%}" if gain < cfg.min_gain else \
             "; the move costs more than it saves"
     return (Decision(det.t, kind, (*reasons, figures), det.changes, gain, benefit, cost),
+            _rebased(state, det))
+
+
+def keep_running(state: DetectorState, det: Detection,
+                 why: str) -> tuple[Decision, DetectorState]:
+    """Nothing to plan for (every workflow went quiet): what runs stays, judged for now."""
+    return (Decision(det.t, "unchanged", (*(c.reason for c in det.changes), why), det.changes),
             _rebased(state, det))
 
 

@@ -71,17 +71,17 @@ BOOTSTRAP = [{"model": "llama-3.2-1b", "workflow": "beam", "share": 0.5},
 
 @dataclass(frozen=True)
 class DemoConfig:
-    beam_rate: float = 0.6  # requests/s
-    rag_rate: float = 2.0
+    beam_rate: float = 0.4  # requests/s
+    rag_rate: float = 1.0
     factor: int = 3  # RAG drivers after the shift
     beam: tuple[int, int, int] = (2, 2, 5)  # beams, width, iterations (kept light for 2 cores)
     passages: int = 200
-    warmup_s: float = 25.0
+    warmup_s: float = 30.0
     before_s: float = 60.0
-    after_s: float = 90.0
+    after_s: float = 100.0
     interval_s: float = 10.0
-    window_s: float = 20.0
-    windows_to_confirm: int = 3
+    window_s: float = 30.0
+    windows_to_confirm: int = 4
     min_requests: int = 8
     profile_calls: int = 300
 
@@ -289,15 +289,20 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
             timeline["shift"] = time.monotonic() - t0
             phase = f"RAG rate x{cfg.factor}: will the daemon notice?"
             show()
-            reports = []
-            for proc in loads:
-                await _wait_proc(proc, cfg.after_s + 300)
-                assert proc.stdout is not None
-                reports.append(orjson.loads(proc.stdout.read() or b"{}"))
-            timeline["load_done"] = time.monotonic() - t0
+            await asyncio.sleep(cfg.after_s)
+            # Arrivals end now: stop watching before the drivers' tails read as a shift.
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            timeline["daemon_stopped"] = time.monotonic() - t0
+            phase = "waiting for the last requests"
+            show()
+            reports = []
+            for proc in loads:
+                await _wait_proc(proc, 300)
+                assert proc.stdout is not None
+                reports.append(orjson.loads(proc.stdout.read() or b"{}"))
+            timeline["load_done"] = time.monotonic() - t0
             phase = "done: writing the report"
             show()
         decisions = load_decisions(settings.store.path)
