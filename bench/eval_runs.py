@@ -91,8 +91,11 @@ def run_point(job: PointJob) -> dict[str, Any]:
         missing = set(workflow_models(job.kind)) - job.allocation.models()
         if missing:
             return _unserved(job, missing)
-        res = simulate(job.allocation, specs, duration_s=horizon, warmup_s=warm,
-                       drain_s=drain, seed=job.seed)
+        try:
+            res = simulate(job.allocation, specs, duration_s=horizon, warmup_s=warm,
+                           drain_s=drain, seed=job.seed)
+        except ValueError as exc:  # a replica the engine model refuses (memory)
+            return {**_unserved(job, set()), "error": str(exc)}
     figures = _figures(res)
     swept = "beam" if job.kind == "beam" else "rag"
     return {"system": job.system, "workflow": job.kind, "gpus": job.gpus, "rate": job.rate,

@@ -39,9 +39,14 @@ def _floor_units(model: str, gpu: str = "a6000") -> int:
 
 
 def _rows(units: Mapping[str, int]) -> list[Row]:
+    """Whole GPUs plus one replica for the remainder; a remainder below the memory floor is
+    spread instead: ``whole + 1`` equal replicas (units over the floor each)."""
     rows: list[Row] = []
     for m, u in units.items():
         whole, rest = divmod(u, GRANULARITY)
+        if rest and whole and rest < _floor_units(m):
+            rows.append((m, whole + 1, 1, u / (GRANULARITY * (whole + 1))))
+            continue
         if whole:
             rows.append((m, whole, 1, 1.0))
         if rest:
