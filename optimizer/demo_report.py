@@ -31,7 +31,8 @@ LABEL = "emulated"
 
 @dataclass(frozen=True)
 class Pass:
-    """One daemon pass as the demo keeps it: seconds since the demo started, and the report."""
+    """One daemon pass as the demo keeps it: when it started (seconds since the demo started),
+    and its report."""
 
     t: float
     report: TickReport
@@ -50,38 +51,52 @@ def _allocation(report: TickReport) -> dict[str, dict[str, dict[str, float]]]:
                          for m in w.models} for w in report.result.workflows}
 
 
+def _entry(report: TickReport) -> dict[str, Any] | None:
+    return _allocation(report) if report.result is not None else None
+
+
 def report_doc(passes: Sequence[Pass], decisions: Sequence[Mapping[str, Any]],
                loads: Sequence[Mapping[str, Any]], timeline: Mapping[str, float],
                settings_doc: Mapping[str, Any], t0_wall: float) -> dict[str, Any]:
-    shift = timeline.get("shift")
-    rollouts = []
-    ends: list[float] = []
+    """``Pass.t`` is when the pass started, in seconds since the demo started."""
+    shift = timeline.get("shift", math.inf)
+    rollouts: list[dict[str, Any]] = []
+    # When each allocation took effect: the bootstrap, then every rollout that succeeded.
+    changes: list[tuple[float, str]] = [(timeline.get("bootstrap_ready", 0.0), "bootstrap")]
     for p in passes:
         r = p.report
-        if r.decision.taken:
-            end = p.t + (r.rollout_s or 0.0)
-            ends.append(end)
-            rollouts.append({
-                "t": round(p.t, 1), "ended": round(end, 1),
-                "after_shift": shift is not None and p.t >= shift,
-                "outcome": r.outcome, "rollout_s": _num(r.rollout_s),
-                "search_s": _num(r.search_s), "changes": [c.kind for c in r.decision.changes],
-                "reasons": list(r.decision.reasons), "gain": _num(r.decision.gain),
-                "allocation": _allocation(r) if r.result is not None else None,
-                "plan": r.plan.render().splitlines() if r.plan is not None else []})
-    allocations = [{"phase": "after shift" if ro["after_shift"] else "before shift",
-                    "t": ro["t"], "allocation": ro["allocation"]} for ro in rollouts]
+        if not r.decision.taken:
+            continue
+        end = p.t + (r.search_s or 0.0) + (r.rollout_s or 0.0)
+        if r.outcome == "ok":
+            changes.append((end, f"rollout {len(rollouts) + 1}"))
+        rollouts.append({
+            "t": round(p.t, 1), "ended": round(end, 1), "after_shift": p.t >= shift,
+            "outcome": r.outcome, "rollout_s": _num(r.rollout_s), "search_s": _num(r.search_s),
+            "changes": [c.kind for c in r.decision.changes],
+            "reasons": list(r.decision.reasons), "gain": _num(r.decision.gain),
+            "allocation": _entry(r),
+            "plan": r.plan.render().splitlines() if r.plan is not None else []})
+    before = [p for p in passes if p.t < shift and p.report.result is not None]
+    after = [p for p in passes if p.t >= shift and p.report.decision.taken]
+    allocations = []
+    if before:
+        allocations.append({"phase": "before shift", "t": round(before[-1].t, 1),
+                            "decision": before[-1].report.decision.kind,
+                            "allocation": _entry(before[-1].report)})
+    allocations += [{"phase": "after shift", "t": round(p.t, 1), "decision": "rollout",
+                     "allocation": _entry(p.report)} for p in after]
     pvo = []
     for p in passes:
         r = p.report
-        done = [e for e in ends if e <= p.t - r.window_s]
-        if not done:
+        settled = [label for end, label in changes if end <= p.t - r.window_s]
+        if not settled:
             continue
         for w, ws in r.stats.items():
             pred = r.predicted_now.get(w)
             if pred is None or ws.requests == 0:
                 continue
-            pvo.append({"t": round(p.t, 1), "workflow": w, "after_rollout": len(done),
+            pvo.append({"t": round(p.t, 1), "workflow": w, "allocation": settled[-1],
                         "rate": round(ws.arrival_rate, 3), "requests": ws.requests,
                         "predicted_s": _num(pred), "observed_s": _num(ws.latency_mean),
                         "error": _num((pred - ws.latency_mean) / ws.latency_mean
@@ -93,13 +108,14 @@ def report_doc(passes: Sequence[Pass], decisions: Sequence[Mapping[str, Any]],
         kinds[str(d["kind"])] = kinds.get(str(d["kind"]), 0) + 1
     return {
         "label": LABEL, "note": "every figure comes from emulated engines (scepsy-engine) on an "
-        "emulated 4-GPU node; profiles come from the simulator (same engine model)",
+        "emulated 4-GPU node; profiles come from the simulator (same engine model); times are "
+        "seconds since the demo started",
         "rollouts": rollouts,
         "rollouts_after_shift": sum(1 for r in rollouts if r["after_shift"]),
         "failed_requests": failed, "allocations": allocations,
         "predicted_vs_observed": pvo, "decisions": kinds, "timeline_s": dict(timeline),
         "started_at_epoch_s": t0_wall, "load": list(loads),
-        "decision_log": [{k: d[k] for k in ("t", "kind", "taken", "outcome", "reasons")}
+        "decision_log": [{k: d[k] for k in ("kind", "taken", "outcome", "reasons")}
                          | {"t": round(float(d["t"]) - t0_wall, 1)} for d in decisions],
         "settings": dict(settings_doc),
     }
@@ -170,6 +186,15 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
              ""]
     for name in plots:
         lines += [f"![{name}]({name})", ""]
+    lines += ["## Allocation before and after the shift", "",
+              "| phase | t (s) | workflow | model | replicas | tp | share |",
+              "|---|---|---|---|---|---|---|"]
+    for a in doc["allocations"]:
+        for w, models in (a["allocation"] or {}).items():
+            for m, x in models.items():
+                lines.append(f"| {a['phase']} ({a['decision']}) | {a['t']:.0f} | {w} | {m} | "
+                             f"{x['replicas']} | {x['tp']} | {x['share']} |")
+    lines.append("")
     for k, r in enumerate(doc["rollouts"], 1):
         lines += [f"## Rollout {k} at t={r['t']:.0f}s "
                   f"({'after' if r['after_shift'] else 'before'} the shift, {r['outcome']}, "
@@ -182,12 +207,12 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
                     lines.append(f"| {w} | {m} | {a['replicas']} | {a['tp']} | {a['share']} |")
             lines.append("")
         lines += ["```", *r["plan"], "```", ""]
-    lines += ["## Predicted vs observed mean latency (windows after a rollout ended)", "",
-              "| t (s) | workflow | after rollout | rate/s | predicted (s) | observed (s) | error |",
+    lines += ["## Predicted vs observed mean latency (windows that start after the allocation took effect)", "",
+              "| t (s) | workflow | allocation | rate/s | predicted (s) | observed (s) | error |",
               "|---|---|---|---|---|---|---|"]
     for p in doc["predicted_vs_observed"]:
         err = "-" if p["error"] is None else f"{p['error']:+.0%}"
-        lines.append(f"| {p['t']:.0f} | {p['workflow']} | {p['after_rollout']} | {p['rate']} | "
+        lines.append(f"| {p['t']:.0f} | {p['workflow']} | {p['allocation']} | {p['rate']} | "
                      f"{p['predicted_s']} | {p['observed_s']} | {err} |")
     return "\n".join(lines) + "\n"
 
