@@ -206,6 +206,12 @@ class Daemon:
             if placed.placement is None:
                 raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
             plan = self._safe_plan(observed, placed.result, placed.placement)
+            called = {m for ws in report.stats.values() for m in ws.models}
+            orphaned = sorted(set(plan.dropped) & called)
+            if orphaned:  # a workflow below min_requests still calls them: wait for it
+                raise PlanningError(
+                    f"the plan would stop serving {', '.join(orphaned)}, which still get calls "
+                    "from a workflow without enough requests to plan for yet")
             proposal = make_proposal(placed.result, plan, report.predicted_now, rates)
         except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
             decision, self.state = failed(self.state, det, f"{type(exc).__name__}: {exc}")

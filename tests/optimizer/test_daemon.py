@@ -30,6 +30,7 @@ from shared.store import SegmentWriter
 from sim.cluster import Allocation
 from sim.des import WorkloadSpec, simulate
 from sim.trace import DEFAULT_T0_US, call_rows, write_trace
+from tests.optimizer.conftest import call
 
 T0 = DEFAULT_T0_US / 1e6
 RAG_MODELS = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
@@ -77,7 +78,11 @@ class FakeBackend:
 
 
 def _settings(store: Path, **optimizer: Any) -> Settings:
-    return settings_from_mapping({
+    return settings_from_mapping(_settings_doc(store, **optimizer))
+
+
+def _settings_doc(store: Path, **optimizer: Any) -> dict[str, Any]:
+    return {
         "store": {"path": str(store)},
         "cluster": {"nodes": [{"name": "n0", "gpu_type": "a6000", "gpus": 2}]},
         "rollout": {"backend": "local", "models": [{"name": m} for m in RAG_MODELS],
@@ -85,7 +90,7 @@ def _settings(store: Path, **optimizer: Any) -> Settings:
         "optimizer": {"interval_s": 20, "window_s": 40, "settle_s": 3, "windows_to_confirm": 2,
                       "cooldown_s": 60, "min_requests": 10, "granularity": 2,
                       "listen": "127.0.0.1:0", **optimizer},
-    })
+    }
 
 
 def _profiles(store: Path) -> None:
@@ -193,6 +198,30 @@ async def test_a_model_without_a_profile_is_an_error_decision_naming_it(tmp_path
     assert "no profile" in report.decision.reasons[-1]
     assert not backend.started
     assert load_decisions(tmp_path)[0]["kind"] == "error"
+
+
+async def test_a_model_a_quiet_workflow_still_calls_is_never_dropped(tmp_path: Path) -> None:
+    _profiles(tmp_path)
+    _trace(tmp_path, [(1.0, 120.0)])
+    # "side" calls llama-3.2-1b twice in the window: too few requests to plan for.
+    writer = SegmentWriter(tmp_path, "side")
+    try:
+        writer.write([call("side", f"s{k}", "llama-3.2-1b", T0 + 80.0 + k, T0 + 81.0 + k)
+                      for k in range(2)])
+    finally:
+        writer.close()
+    backend = FakeBackend()
+    side = RunningReplica("side-0", "gside", "llama-3.2-1b", "n0", (1,), 0.5, 1,
+                          "http://fake/side-0", True)
+    backend.replicas[side.id] = side
+    backend.routes = (Route(side.model, side.url),)
+    settings = settings_from_mapping({**_settings_doc(tmp_path), "rollout": {
+        "backend": "local", "models": [{"name": m} for m in (*RAG_MODELS, "llama-3.2-1b")],
+        "local": {"state_dir": str(tmp_path / "local")}}})
+    report = await Daemon(settings, backend, clock=FakeClock(T0 + 100)).tick()
+    assert report.decision.kind == "error"
+    assert "stop serving llama-3.2-1b" in report.decision.reasons[-1]
+    assert not backend.started and not backend.stopped
 
 
 async def test_an_empty_store_is_no_data(tmp_path: Path) -> None:
