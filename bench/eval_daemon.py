@@ -82,6 +82,7 @@ class Daemon:
     store: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="scepsy-daemon-")))
     decisions: list[dict[str, Any]] = field(default_factory=list)
     rollouts: list[float] = field(default_factory=list)
+    unplaced: list[float] = field(default_factory=list)  # rollouts decided, not placeable
     started: int = 0
     _written: int = 0
 
@@ -140,7 +141,13 @@ class Daemon:
         self.decisions.append({"t": now, "kind": decision.kind, "reasons": decision.reasons,
                                "rates": targets})
         self.state = decided
-        if decision.taken and placed.placement is not None:
+        if decision.taken and placed.placement is None:
+            # the search's allocation does not place (fragmentation): nothing can roll out
+            self.unplaced.append(now)
+            self.decisions[-1]["kind"] = "rollout_unplaced"
+            self.decisions[-1]["failures"] = placed.failures
+            self.state = prior
+        elif decision.taken:
             self._roll_out(sim, self.running, proposed)
             self.running = proposed
             self.rollouts.append(now)
@@ -205,14 +212,16 @@ def _run(args: tuple[str, Knowledge, int, float, list[tuple[float, float]], floa
         times = list(controller.rollouts)
         started = controller.started
         log: Any = controller.decisions
+        unplaced = list(controller.unplaced)
     else:
         times = sorted({c.t for c in sim.changes if c.kind in ("start", "retire")})
         started = sum(c.count for c in sim.changes if c.kind == "start")
         log = controller.log
+        unplaced = []
     bounds = [t for t, _ in steps] + [duration]
     per_step = [sum(1 for t in times if lo <= t < hi) for lo, hi in itertools.pairwise(bounds)]
     return {"reconfigurations": len(times), "per_step": per_step, "rollout_times": times,
-            "replicas_started": started,
+            "replicas_started": started, "rollouts_unplaced": unplaced,
             "latency_mean": {w: r.latency.mean for w, r in res.workflows.items()},
             "latency_p90": {w: r.latency.p90 for w, r in res.workflows.items()},
             "failed": {w: r.failed for w, r in res.workflows.items()},

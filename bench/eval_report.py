@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def _alloc_text(alloc: Any) -> str:
 
 
 def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: dict[str, Any],
-             dynamic: dict[str, Any] | None) -> str:
+             dynamic: dict[str, Any] | None, points: Sequence[Point] = ()) -> str:
     lines = ["# Scepsy evaluation (simulated)", "",
              "Every figure below is **simulated** (discrete-event simulator, emulated A6000 "
              "GPUs, 4 per node, NVLink in pairs); the paper's figures are measured on real "
@@ -142,6 +143,13 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
                              f"{_fmt(e['throughput_ratio_scepsy_over'])} | {lat} | "
                              f"{_fmt(e['p90_ratio_to_scepsy_median'])} | {paper} |")
         lines.append("")
+    unplaced = Counter((p["workflow"], p["gpus"], p["system"]) for p in points
+                       if p.get("placed") is False)
+    if unplaced:
+        lines += ["Allocations `optimizer.placement` could not place on the cluster (the "
+                  "simulator ran them anyway, packing first-fit): "
+                  + "; ".join(f"{w} {g} GPUs {s} ({n} rates)"
+                              for (w, g, s), n in sorted(unplaced.items())) + ".", ""]
     lines += ["## Where Scepsy is not at or above a baseline", ""]
     if not shortfalls:
         lines.append("Nowhere: at every cluster size Scepsy's peak is at or above every "
@@ -181,6 +189,11 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
                      f"{s['replicas_started']} | {_fmt(s['latency_mean']['beam'])} / "
                      f"{_fmt(s['latency_mean']['rag'])} |")
     sc = d["systems"].get("scepsy", {})
+    if sc.get("rollouts_unplaced"):
+        lines += ["", f"Scepsy decided {len(sc['rollouts_unplaced'])} rollout(s) (at "
+                  f"{', '.join(f'{t:.0f}' for t in sc['rollouts_unplaced'])} s) whose "
+                  "allocation optimizer.placement could not place after its retries "
+                  "(fragmentation): they did not happen; see `log` in evaluation.json."]
     ok = all(n <= 1 for n in sc.get("per_step", [2]))
     lines += ["", f"Scepsy reconfigures at most once per rate step: **{'yes' if ok else 'no'}**. "
               "Latency over time: `dynamic.png` and `dynamic` in evaluation.json.", ""]

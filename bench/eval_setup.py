@@ -73,8 +73,9 @@ class RunLengths:
     profile_calls: int
 
 
-FULL = RunLengths({"beam": 240, "rag": 1500}, 3.0, 8.0, 300.0, 900.0, 1500)
-QUICK = RunLengths({"beam": 90, "rag": 500}, 2.0, 5.0, 150.0, 300.0, 600)
+FULL = RunLengths({"beam": 300, "rag": 1500}, 4.0, 20.0, 300.0, 900.0, 1500)
+# Beam requests last ~15 s: a window of a few latencies reads throughput low (pipeline fill).
+QUICK = RunLengths({"beam": 150, "rag": 500}, 4.0, 15.0, 150.0, 300.0, 600)
 
 
 def cluster(gpus: int) -> Cluster:

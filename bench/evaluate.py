@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "evaluation.json").write_bytes(orjson.dumps(
         report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
         | orjson.OPT_NON_STR_KEYS))
-    (args.out / "evaluation.md").write_text(markdown(summary, shortfalls, meta, dynamic))
+    (args.out / "evaluation.md").write_text(markdown(summary, shortfalls, meta, dynamic, points))
     brief = {wf: {g: {s: {k2: round(v, 3) if isinstance(v, float) else v
                           for k2, v in e.items() if k2 in ("peak_throughput",
                                                            "latency_ratio_to_scepsy_median")}
