@@ -75,6 +75,7 @@ __all__ = ["DAEMON", "Daemon", "TickReport", "make_app"]
 
 log = logging.getLogger(__name__)
 US = 1_000_000
+RECENT_S = 120.0  # a model called this recently is still in use, whatever the window says
 
 
 class PlanningError(RuntimeError):
@@ -106,6 +107,16 @@ def first_call_us(store: str) -> int | None:
     finally:
         reader.close()
     return None if not rows or rows[0][0] is None else int(rows[0][0])
+
+
+def recent_models(store: str, since_us: int) -> set[str]:
+    """Models with a call recorded as starting at or after ``since_us``."""
+    reader = StoreReader(store)
+    try:
+        rows = reader.calls(since_us).aggregate("model").fetchall()
+    finally:
+        reader.close()
+    return {str(r[0]) for r in rows if r[0] is not None}
 
 
 @dataclass
@@ -159,6 +170,12 @@ class Daemon:
         self._known |= {w: p for w, p in pipes.items()
                         if stats[w].requests >= self.cfg.min_requests}
         rates = {w: s.arrival_rate for w, s in stats.items()}
+        # A planned workflow missing from this window (its requests all still running) keeps
+        # its pipeline and baseline rate until the detector confirms it is gone.
+        base = self.state.baseline
+        for w, known in self._known.items():
+            if w not in pipes and base is not None and w in base.workflows:
+                pipes[w], rates[w] = known, base.workflows[w].rate
         book = await self._book()
         running = running_allocation(observed, pipes, rates)
         predicted_now = predict_running(pipes, book, running, rates)
@@ -206,8 +223,10 @@ class Daemon:
             if placed.placement is None:
                 raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
             plan = self._safe_plan(observed, placed.result, placed.placement)
-            called = {m for ws in report.stats.values() for m in ws.models}
-            orphaned = sorted(set(plan.dropped) & called)
+            called = await asyncio.to_thread(
+                recent_models, self.store, round((det.t - RECENT_S) * US))
+            orphaned = sorted(set(plan.dropped) & (called | {
+                m for ws in report.stats.values() for m in ws.models}))
             if orphaned:  # a workflow below min_requests still calls them: wait for it
                 raise PlanningError(
                     f"the plan would stop serving {', '.join(orphaned)}, which still get calls "

@@ -88,8 +88,8 @@ class DemoConfig:
 
 FULL = DemoConfig()
 # For the end-to-end test: shorter phases and windows (the daemon's logic is the same).
-TINY = DemoConfig(beam_rate=0.8, rag_rate=1.5, warmup_s=14.0, before_s=24.0, after_s=40.0,
-                  interval_s=4.0, window_s=8.0, windows_to_confirm=3, min_requests=3,
+TINY = DemoConfig(beam_rate=0.8, rag_rate=1.5, warmup_s=16.0, before_s=24.0, after_s=52.0,
+                  interval_s=4.0, window_s=12.0, windows_to_confirm=4, min_requests=4,
                   profile_calls=200)
 
 
