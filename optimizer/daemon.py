@@ -16,6 +16,12 @@ Invariants:
   without a profile makes the pass an ``error`` decision naming it, and nothing is rolled out;
 - the window never reaches back before the first recorded call, so a fresh store does not read
   as a low rate; it ends ``settle_s`` early for completions (see :class:`optimizer.stats.Window`);
+- no rollout leaves a served model without a replica: a plan that would is re-tried on other
+  layouts of the same allocation, else refused (``optimizer.reserve_gpus`` keeps room for
+  temporary copies); a plan that stops serving a model called in the last ``RECENT_S`` is
+  refused too (a workflow below ``min_requests`` may still use it);
+- a workflow once planned for keeps its last trusted pipeline: a model whose calls are all
+  still running (calls are recorded when they end) is not taken for a model it stopped using;
 - a failed pass or rollout is logged and recorded; the loop keeps going. Cancelling the loop
   (SIGTERM) interrupts at most one await: engines keep running, and the next daemon resumes.
 """

@@ -13,6 +13,8 @@ settings' ``rollout.allocation``, placed and rolled out like any other) start; l
 ``warmup_s`` before the daemon starts (so that both workflows have a full window of
 statistics), then ``before_s`` more at the base rates, then ``after_s`` with two more RAG
 drivers (3x). The daemon re-plans on its own: nothing here tells it when the rate changed.
+Two of the four emulated GPUs are kept free (``optimizer.reserve_gpus``) so that every rollout
+can start temporary copies there: make-before-break, no client request fails.
 
 Invariants: every process this command starts is stopped on the way out (engines included,
 unlike ``scepsy run``, which leaves them to the next daemon), on errors and Ctrl-C too; the
