@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
