@@ -8,7 +8,7 @@ plain ``openai`` SDK), shows live what the daemon learns and decides, triples th
 and writes ``DIR/report.md`` (with plots) and ``DIR/report.json``.
 
 Schedule (:class:`DemoConfig`, wall seconds): profiles are computed by simulation in a
-subprocess (:mod:`optimizer.demo_profiles`) while the proxy and a bootstrap allocation (the
+subprocess (:mod:`bench.demo_profiles`) while the proxy and a bootstrap allocation (the
 settings' ``rollout.allocation``, placed and rolled out like any other) start; load runs for
 ``warmup_s`` before the daemon starts (so that both workflows have a full window of
 statistics), then ``before_s`` more at the base rates, then ``after_s`` with two more RAG
@@ -255,7 +255,7 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
     try:
         with live:
             profiles = stack.spawn("profiles", [
-                sys.executable, "-m", "optimizer.demo_profiles", "--out",
+                sys.executable, "-m", "bench.demo_profiles", "--out",
                 str(run / "profiles.json"), "--beam", ",".join(map(str, cfg.beam)),
                 "--calls", str(cfg.profile_calls)])
             stack.spawn("proxy", [sys.executable, "-m", "proxy.cli", "--config",

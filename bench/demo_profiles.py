@@ -1,4 +1,4 @@
-"""The demo's profiles, by simulation: ``python -m optimizer.demo_profiles --out FILE.json``.
+"""The demo's profiles, by simulation: ``python -m bench.demo_profiles --out FILE.json``.
 
 Role: ``scepsy demo`` has minutes, not the quarter hour that replaying five models' traces
 against emulators (``scepsy profile``) takes on two cores. It runs this module as a *separate
