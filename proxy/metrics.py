@@ -137,6 +137,8 @@ class ProxyMetrics:
         )
         r.register(_StateCollector(router, recorder))
         self._children: dict[tuple[Any, ...], Any] = {}
+        # One lookup per call for the four per-(workflow, model) series.
+        self._per_call: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -148,15 +150,25 @@ class ProxyMetrics:
     def observe(self, rec: CallRecord, status: int) -> None:
         """One finished logical call (its last attempt)."""
         wf, model = rec.workflow or "", rec.model
+        key = (wf, model)
+        per_call = self._per_call.get(key)
+        if per_call is None:
+            per_call = self._per_call[key] = (
+                self.duration.labels(wf, model),
+                self.ttfb.labels(wf, model),
+                self.prompt_tokens.labels(wf, model),
+                self.completion_tokens.labels(wf, model),
+            )
+        duration, ttfb, prompt, completion = per_call
         self._child(self.requests, wf, model, str(status)).inc()
         if rec.t_end is not None:
-            self._child(self.duration, wf, model).observe((rec.t_end - rec.t_start) / 1e6)
+            duration.observe((rec.t_end - rec.t_start) / 1e6)
         if rec.t_first_byte is not None:
-            self._child(self.ttfb, wf, model).observe((rec.t_first_byte - rec.t_start) / 1e6)
+            ttfb.observe((rec.t_first_byte - rec.t_start) / 1e6)
         if rec.prompt_tokens:
-            self._child(self.prompt_tokens, wf, model).inc(rec.prompt_tokens)
+            prompt.inc(rec.prompt_tokens)
         if rec.completion_tokens:
-            self._child(self.completion_tokens, wf, model).inc(rec.completion_tokens)
+            completion.inc(rec.completion_tokens)
 
     def rejected(self, status: int) -> None:
         """A call refused before it had a model and workflow (bad body, auth, unknown route)."""

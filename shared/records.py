@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from dataclasses import astuple, dataclass, fields
@@ -112,7 +113,7 @@ _SECRET_KEYS = frozenset(
 )
 # Every key _scrub redacts ends in one of these right before its closing quote; "max_tokens"
 # does not match b'token"', so ordinary bodies skip the walk entirely.
-_HINTS = (b'key"', b'token"', b'secret"', b'password"', b'authorization"', b'bearer"')
+_HINT = re.compile(rb'(?i)(?:key|token|secret|password|authorization|bearer)"')
 
 
 def _scrub(value: Any) -> tuple[Any, bool]:
@@ -139,8 +140,7 @@ def scrub_body(raw: bytes, parsed: Any) -> str:
 
     The cheap byte search keeps the common case (no secret-looking key) to a single decode.
     """
-    lowered = raw.lower()
-    if any(h in lowered for h in _HINTS):
+    if _HINT.search(raw):
         cleaned, changed = _scrub(parsed)
         if changed:
             return orjson.dumps(cleaned).decode()
