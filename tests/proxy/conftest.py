@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from proxy.router import Router
 from shared.settings import Settings, settings_from_mapping
 from shared.store import StoreReader
 from tests.proxy.fake_engine import FakeEngine
+from tests.proxy.upstream_servers import LOOPS, Run
 
 
 @dataclass
@@ -107,3 +108,16 @@ async def proxy(proxy_factory: ProxyFactory, engine: FakeEngine) -> ProxyHandle:
     return await proxy_factory(
         [("m", engine.url), ("emb", engine.url), ("rr", engine.url)], default_workflow="wf0"
     )
+
+
+@pytest.fixture(params=list(LOOPS))
+def run(request: pytest.FixtureRequest) -> Run:
+    """(proxy.upstream tests) One test coroutine in a fresh loop of each kind; no leftovers."""
+
+    def runner(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as r:
+            r.run(asyncio.wait_for(test(), 10))
+            left = [t for t in asyncio.all_tasks(r.get_loop()) if not t.done()]
+            assert not left, f"tasks left running: {left}"
+
+    return runner
