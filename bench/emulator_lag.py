@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any
 
 import aiohttp
 
+from shared.ports import free_port
 from shared.store import StoreReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,11 +68,6 @@ class EngineProcess:
     extra: tuple[str, ...] = ()  # e.g. the step-length model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

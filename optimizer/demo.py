@@ -30,7 +30,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ from optimizer.plan import target_from_placement
 from optimizer.profiles import ProfileBook, import_json, save_points
 from optimizer.proposal import cluster_without
 from shared.cluster import cluster_from_settings
+from shared.ports import free_port
 from shared.settings import Settings, load_settings
 
 HELP = "run Scepsy end to end on an emulated 4-GPU node and write a report"
@@ -102,11 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shorter phases and windows (about 2 minutes; for tests)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def settings_doc(run: Path, proxy_port: int, token: str, cfg: DemoConfig) -> dict[str, Any]:
@@ -225,7 +220,7 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
 
         shutil.rmtree(run)
     run.mkdir(parents=True)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     doc = settings_doc(run, port, token, cfg)
     (run / "settings.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     settings = load_settings(run / "settings.yaml")

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -56,6 +55,7 @@ from optimizer.profiles import (
     save_points,
 )
 from optimizer.replay import ReplayError, Workload, load_workload
+from shared.ports import free_port
 
 HELP = "profile a model's throughput-latency curve by replaying its traced calls"
 START_TIMEOUT_S = 60.0
@@ -94,11 +94,6 @@ class EngineSource(Protocol):
               speedup: float) -> contextlib.AbstractAsyncContextManager[Target]: ...
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def _wait_healthy(url: str, proc: asyncio.subprocess.Process | None,
@@ -134,7 +129,7 @@ class EmulatorProcesses:
     @contextlib.asynccontextmanager
     async def serve(self, model: str, tp: int, share: float,
                     speedup: float) -> AsyncIterator[Target]:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryFile() as log:
             proc = await asyncio.create_subprocess_exec(

@@ -105,9 +105,8 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    actual = sockets[0].getsockname()[1] if sockets else port
+    # runner.addresses names what was really bound (port 0 asks the kernel for one).
+    actual = runner.addresses[0][1] if runner.addresses else port
     print(
         f"scepsy-proxy listening on http://{host}:{actual} (store {settings.store.path})",
         flush=True,

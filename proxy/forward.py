@@ -182,12 +182,10 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
         options = body.get("stream_options")
         if not isinstance(options, dict) or (options and not options.get("include_usage")):
             # Ask for usage on the client's behalf; the extra event is removed on the way back.
-            body["stream_options"] = {**(options or {}), "include_usage": True}
-            payload = orjson.dumps(body)
+            # A shallow copy: the stored body stays the client's own.
+            asked = {**(options or {}), "include_usage": True}
+            payload = orjson.dumps({**body, "stream_options": asked})
             strip_usage = True
-            body["stream_options"] = options
-            if options is None:
-                del body["stream_options"]
     rec = CallRecord(
         call_id=request.headers.get("Idempotency-Key") or new_call_id(),
         proxy_id=app[PROXY_ID],
@@ -254,7 +252,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "connect")
             rec.error = f"connect: {exc}"
-            retry = len(tried) == 1 and _has_alternative(router, call.model, tried)
+            retry = len(tried) == 1 and router.has_alternative(call.model, tried)
             if not retry:
                 status = NoReplica.status
                 raise NoReplica(f"No replica of `{call.model}` could be reached.") from exc
@@ -286,10 +284,6 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
         # Retry: the failed attempt is recorded above; the next attempt is a new row of the
         # same logical call.
         rec = _next_attempt(rec)
-
-
-def _has_alternative(router: Any, model: str, tried: list[Replica]) -> bool:
-    return any(r.active and r not in tried for r in router.replicas() if r.model == model)
 
 
 def _next_attempt(rec: CallRecord) -> CallRecord:

@@ -185,6 +185,10 @@ class Router:
             return least
         return preferred
 
+    def has_alternative(self, model: str, tried: Sequence[Replica]) -> bool:
+        """Whether an active replica of ``model`` is left that ``tried`` does not hold."""
+        return any(r.active and r not in tried for r in self._pools.get(model, ()))
+
     # --- outcomes ----------------------------------------------------------------------
     def acquire(self, rep: Replica) -> None:
         rep.in_flight += 1

@@ -56,7 +56,7 @@ async def start_proxy(settings: Settings) -> ProxyHandle:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     return ProxyHandle(app, runner, port, Path(settings.store.path))
 
 

@@ -8,7 +8,6 @@ for its "listening on" line, and make sure it is gone when the test ends (killed
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,14 +17,11 @@ from typing import Any
 
 import yaml
 
+from shared.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from shared.ports import free_port
 from sim.engine import EngineCore
 from sim.engine_driver import EngineDriver, Update
 from sim.perf import perf_model
@@ -86,14 +86,10 @@ def test_speedup_must_be_positive() -> None:
         EngineDriver(EngineCore(perf_model("llama-3.2-1b", "a100")), speedup=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_cli_serves_and_stops_gracefully() -> None:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "--model", "e5-base-v2",
                              "--gpu", "a6000", "--share", "0.3", "--port", str(port),
                              "--speedup", "10"], stderr=subprocess.PIPE, text=True)
