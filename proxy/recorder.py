@@ -78,11 +78,17 @@ class Recorder:
             await self._flush(partial=aged)
             if aged:
                 last = loop.time()
-        await self._flush()
+        while self._buffer:  # the last turn: everything left, however it arrived
+            await self._flush()
 
     async def _flush(self, partial: bool = True) -> None:
-        while len(self._buffer) >= (1 if partial else self.settings.segment_rows):
+        # A partial flush writes only what was buffered when it began: records that arrive
+        # while a segment is being written wait for the next turn, or a busy proxy would
+        # write a stream of tiny segments, each paying the fixed cost of a Parquet file.
+        due = len(self._buffer) if partial else 0
+        while due > 0 or len(self._buffer) >= self.settings.segment_rows:
             batch = self._buffer[: self.settings.segment_rows]
+            due -= len(batch)
             del self._buffer[: len(batch)]
             self._writing = len(batch)
             try:

@@ -59,6 +59,28 @@ async def test_flush_on_size_and_on_interval(tmp_path: Path) -> None:
         await rec.close()
 
 
+async def test_steady_traffic_makes_one_segment_per_interval(tmp_path: Path) -> None:
+    """Records that arrive while a segment is written wait for the next interval; a flush
+    that chased them would write a stream of tiny segments for as long as traffic lasts."""
+    interval = 0.3
+    rec = Recorder(
+        StoreSettings(path=str(tmp_path), segment_rows=100_000, flush_interval_s=interval), "p"
+    )
+    await rec.start()
+    try:
+        i = 0
+        t_end = asyncio.get_running_loop().time() + 3.5 * interval
+        while asyncio.get_running_loop().time() < t_end:
+            for _ in range(20):  # ~20 records per millisecond, as a loaded proxy submits them
+                rec.submit(_rec(i))
+                i += 1
+            await asyncio.sleep(0.001)
+        assert 1 <= rec.segments <= 4, rec.segments
+    finally:
+        await rec.close()
+    assert rec.written == i and await _count(tmp_path) == i
+
+
 async def test_a_failing_store_counts_and_keeps_going(tmp_path: Path) -> None:
     rec = Recorder(StoreSettings(path=str(tmp_path), segment_rows=2, flush_interval_s=60), "p")
     await rec.start()
