@@ -32,7 +32,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from optimizer.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
-from optimizer.placement import Placement, PlacementError, ReplicaDemand, place
+from optimizer.placement import (
+    PlacedReplica,
+    Placement,
+    PlacementError,
+    ReplicaDemand,
+    check_placement,
+    place,
+)
 from optimizer.search_space import (
     FEASIBLE_RTOL,
     MAX_MIN,
@@ -41,17 +48,18 @@ from optimizer.search_space import (
     ExcludedConfig,
     FloatArray,
     IntArray,
+    LineLayout,
     ModelRules,
     SearchProblem,
     WorkflowTarget,
     backtrack,
     chain,
     count_chain,
+    line_gpus,
+    line_layout,
     model_rules,
     packing_order,
-    powers_of_two_upto,
-    raw_pairs,
-    span,
+    run_configs,
     valid_mask,
 )
 from optimizer.welfare import policy
@@ -65,6 +73,7 @@ __all__ = [
     "SearchStats",
     "WorkflowAllocation",
     "WorkflowTarget",
+    "line_placement",
     "replica_demands",
     "search",
     "search_and_place",
@@ -89,8 +98,9 @@ class SearchStats:
 class ModelChoice:
     model: str
     alloc: ModelAlloc
-    units: int  # GPU units (granularity ths of a GPU) the model holds
+    units: int  # GPU units (granularity ths of a GPU) the model's run holds on the line
     offset: int  # where its run starts inside its first GPU (units), from the packing
+    start: int  # where its run starts on the cluster's GPU line (units)
     contribution: float  # its latency contribution L_wm at the served rate (s)
     capacity: float  # workflow requests/s it sustains
 
@@ -137,7 +147,7 @@ class SearchResult:
 
 @dataclass(frozen=True)
 class _Configs:
-    """One LLM's valid configurations, as parallel arrays."""
+    """One LLM's valid configurations, as parallel arrays (``offset``: line unit mod cycle)."""
 
     stage: Stage
     offset: IntArray
@@ -145,31 +155,23 @@ class _Configs:
     tp: IntArray
     replicas: IntArray
     share: FloatArray
-    raw: FloatArray  # (F, U+1): configurations per (offset, units) before the rules
-    valid: FloatArray  # (F, U+1): 1 where at least one survives the rules
+    raw: FloatArray  # (cycle, U+1): configurations per (offset, units) before the rules
+    valid: FloatArray  # (cycle, U+1): 1 where at least one survives the rules
 
 
-def _configs(problem: SearchProblem, stage: Stage, rules: ModelRules) -> _Configs:
-    f, total = problem.granularity, problem.units
-    grid_o, grid_u = np.meshgrid(np.arange(f), np.arange(1, total + 1), indexing="ij")
+def _configs(problem: SearchProblem, layout: LineLayout, stage: Stage,
+             rules: ModelRules) -> _Configs:
+    cycle, total = layout.cycle, problem.units
+    grid_o, grid_u = np.meshgrid(np.arange(cycle), np.arange(1, total + 1), indexing="ij")
     o, u = grid_o.ravel(), grid_u.ravel()
-    g = span(o, u, f)
-    counts = {int(x): len(raw_pairs(int(x), powers_of_two_upto(int(x)))) for x in np.unique(g)}
-    raw = np.zeros((f, total + 1))
-    raw[o, u] = [counts[int(x)] for x in g]
-    # Only tp·d = g, or tp·d = 1 when a run of <= 1 GPU straddles two, keep the share <= 1
-    # (tp·d | g and tp·d >= u/F > g - 2); the other raw pairs are pruned by the share rule.
-    parts = []
-    for k, where in ((g, np.ones_like(g, dtype=bool)), (np.ones_like(g), (g == 2) & (u <= f))):
-        for t in powers_of_two_upto(problem.cluster.max_domain_size):
-            m = where & (k % t == 0)
-            parts.append((o[m], u[m], np.full(int(m.sum()), t), k[m] // t))
-    co, cu, ct, cd = (np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4))
-    ok = valid_mask(rules, cu, ct, cd, f)
-    co, cu, ct, cd = co[ok], cu[ok], ct[ok], cd[ok]
-    valid = np.zeros((f, total + 1))
+    rc = run_configs(layout, o, u)
+    raw = np.zeros((cycle, total + 1))
+    np.add.at(raw, (o[rc.run], u[rc.run]), 1.0)
+    ok = valid_mask(rules, rc.tp, rc.replicas, rc.share)
+    co, cu = o[rc.run[ok]], u[rc.run[ok]]
+    valid = np.zeros((cycle, total + 1))
     valid[co, cu] = 1.0
-    return _Configs(stage, co, cu, ct, cd, cu / (f * ct * cd), raw, valid)
+    return _Configs(stage, co, cu, rc.tp[ok], rc.replicas[ok], rc.share[ok], raw, valid)
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,8 @@ def _cell_best(cell: IntArray, key: FloatArray, size: int, worst: float) -> tupl
 
 
 def _tables(problem: SearchProblem, c: _Configs, workflow: str, rate: float,
-            target: float) -> _Tables:
-    f, total = problem.granularity, problem.units
+            target: float, cycle: int) -> _Tables:
+    total = problem.units
     rows = np.stack([c.tp, c.replicas, np.round(c.share, SHARE_DIGITS + 3)], axis=1)
     uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
@@ -210,9 +212,9 @@ def _tables(problem: SearchProblem, c: _Configs, workflow: str, rate: float,
     cell = c.offset * (total + 1) + c.units
     covers = capacity >= target * (1.0 - FEASIBLE_RTOL)
     lat_key = np.where(covers & np.isfinite(contribution), contribution, np.inf)
-    lat, lat_arg = _cell_best(cell, lat_key, f * (total + 1), np.inf)
-    neg_cap, cap_arg = _cell_best(cell, -capacity, f * (total + 1), np.inf)
-    shape = (f, total + 1)
+    lat, lat_arg = _cell_best(cell, lat_key, cycle * (total + 1), np.inf)
+    neg_cap, cap_arg = _cell_best(cell, -capacity, cycle * (total + 1), np.inf)
+    shape = (cycle, total + 1)
     return _Tables(lat.reshape(shape), lat_arg.reshape(shape), -neg_cap.reshape(shape),
                    cap_arg.reshape(shape), contribution, capacity, len(uniq))
 
@@ -220,41 +222,41 @@ def _tables(problem: SearchProblem, c: _Configs, workflow: str, rate: float,
 class _Workflow:
     """One workflow's search state: configurations and tables in packing order."""
 
-    def __init__(self, problem: SearchProblem, target: WorkflowTarget) -> None:
-        self.problem, self.target = problem, target
+    def __init__(self, problem: SearchProblem, target: WorkflowTarget,
+                 layout: LineLayout) -> None:
+        self.problem, self.target, self.cycle = problem, target, layout.cycle
         pipe = target.pipeline
         self.order = packing_order(problem, pipe)
-        self.configs = [_configs(problem, pipe.stages[j],
+        self.configs = [_configs(problem, layout, pipe.stages[j],
                                  model_rules(problem, pipe.workflow, pipe.stages[j].model))
                         for j in self.order]
         self.goal = target.rate * (1.0 + problem.headroom)
-        self.tables = [_tables(problem, c, pipe.workflow, target.rate, self.goal)
+        self.tables = [_tables(problem, c, pipe.workflow, target.rate, self.goal, self.cycle)
                        for c in self.configs]
         self.predicted = sum(t.predicted for t in self.tables)
 
     def latency_curve(self, start: int) -> FloatArray:
         """Best workflow latency per budget (units, prefix-best) from ``start``."""
-        best, _ = chain([t.lat for t in self.tables], start, self.problem.units,
-                        self.problem.granularity, MIN_SUM)
+        best, _ = chain([t.lat for t in self.tables], start, self.problem.units, self.cycle,
+                        MIN_SUM)
         pipe = self.target.pipeline
         return np.minimum.accumulate(pipe.overlap * best + pipe.tool_time)
 
     def capacity_curve(self, start: int) -> FloatArray:
-        best, _ = chain([t.cap for t in self.tables], start, self.problem.units,
-                        self.problem.granularity, MAX_MIN)
+        best, _ = chain([t.cap for t in self.tables], start, self.problem.units, self.cycle,
+                        MAX_MIN)
         return np.maximum.accumulate(best)
 
     def stats(self, start: int, budget: int, seconds: float) -> SearchStats:
-        f = self.problem.granularity
-        generated = count_chain([c.raw for c in self.configs], start, budget, f)
-        evaluated = count_chain([c.valid for c in self.configs], start, budget, f)
+        generated = count_chain([c.raw for c in self.configs], start, budget, self.cycle)
+        evaluated = count_chain([c.valid for c in self.configs], start, budget, self.cycle)
         return SearchStats(round(generated), round(generated - evaluated), round(evaluated),
                            self.predicted, seconds)
 
     def choose(self, start: int, budget: int, utility: float,
                seconds: float) -> WorkflowAllocation:
         """The allocation for ``budget`` units from ``start`` (feasible, else max capacity)."""
-        p, pipe, f = self.problem, self.target.pipeline, self.problem.granularity
+        p, pipe, f = self.problem, self.target.pipeline, self.cycle
         tables, rate = self.tables, self.target.rate
         best, choices = chain([t.lat for t in tables], start, p.units, f, MIN_SUM)
         feasible = bool(np.isfinite(best[: budget + 1]).any())
@@ -267,7 +269,7 @@ class _Workflow:
             # The lowest latency among allocations reaching that capacity, at the rate they
             # serve with headroom.
             rate = float(cap) / (1.0 + p.headroom)
-            tables = [_tables(p, c, pipe.workflow, rate, float(cap)) for c in self.configs]
+            tables = [_tables(p, c, pipe.workflow, rate, float(cap), f) for c in self.configs]
             best, choices = chain([t.lat for t in tables], start, p.units, f, MIN_SUM)
         args = [t.lat_arg for t in tables]
         used = int(np.argmin(best[: budget + 1]))
@@ -283,12 +285,14 @@ class _Workflow:
         for c, arg, u in zip(self.configs, args, units, strict=True):
             i = int(arg[pos % f, u])
             picks[c.stage.model] = (ModelAlloc(int(c.replicas[i]), int(c.tp[i]),
-                                               float(c.share[i])), u, pos % f)
+                                               float(c.share[i])), u, pos)
             pos += u
         allocation = {m: a for m, (a, _, _) in picks.items()}
         pred = predict(pipe, p.book, allocation, rate, stat=p.stat, pooling=p.pooling)
+        g = p.granularity
         models = tuple(ModelChoice(s.model, picks[s.model][0], picks[s.model][1],
-                                   picks[s.model][2], sp.contribution, sp.capacity)
+                                   picks[s.model][2] % g, picks[s.model][2], sp.contribution,
+                                   sp.capacity)
                        for s, sp in zip(pipe.stages, pred.stages, strict=True))
         return WorkflowAllocation(pipe.workflow, self.target.rate, rate, feasible, pred.latency,
                                   pred.throughput, pred.bottleneck, utility, start, budget,
@@ -308,8 +312,9 @@ def utility_curve(latency: FloatArray, capacity: FloatArray, goal: float,
 def search(problem: SearchProblem) -> SearchResult:
     """The best allocation of every workflow of ``problem`` (see the module docstring)."""
     t0 = time.perf_counter()
-    flows = [_Workflow(problem, w) for w in problem.workflows]
-    f, total = problem.granularity, problem.units
+    layout = line_layout(problem.cluster, problem.granularity)
+    flows = [_Workflow(problem, w, layout) for w in problem.workflows]
+    f, total = layout.cycle, problem.units
     rule = policy(problem.welfare)
     starts = range(f) if len(flows) > 1 else range(1)
     utilities = []
@@ -335,7 +340,8 @@ def search(problem: SearchProblem) -> SearchResult:
         sum(a.stats.candidates_pruned for a in chosen),
         sum(a.stats.candidates_evaluated for a in chosen),
         sum(a.stats.configs_predicted for a in chosen), seconds)
-    return SearchResult(tuple(chosen), rule.name, objective, f, problem.headroom, totals)
+    return SearchResult(tuple(chosen), rule.name, objective, problem.granularity,
+                        problem.headroom, totals)
 
 
 def _with_seconds(a: WorkflowAllocation, seconds: float) -> WorkflowAllocation:
@@ -351,21 +357,63 @@ def replica_demands(result: SearchResult,
             for w in result.workflows for m in w.models for _ in range(m.alloc.replicas)]
 
 
+def line_placement(problem: SearchProblem, result: SearchResult) -> Placement:
+    """The placement the search's own layout is: every model's replicas inside the pieces of
+    its run on the GPU line (TP groups on consecutive GPUs of the run, TP-1 replicas filling
+    piece after piece), in :func:`replica_demands` order, checked by ``check_placement``.
+    Exists for every allocation of the space (:mod:`optimizer.search_space`)."""
+    f = problem.granularity
+    line = line_gpus(problem.cluster)
+    memory = {(n, g.index): g.memory_bytes for n, g in problem.cluster.all_gpus()}
+    demands = replica_demands(result, problem.memory_floor_bytes)
+    placed: list[PlacedReplica] = []
+    for w in result.workflows:
+        for m in w.models:
+            first, end = m.start // f, m.start + m.units
+            pieces = [(gpu, min(end, (gpu + 1) * f) - max(m.start, gpu * f))
+                      for gpu in range(first, -(-end // f))]
+            a = m.alloc
+            groups: list[tuple[int, ...]]
+            if a.tp > 1:
+                groups = [tuple(gpu for gpu, _ in pieces[r * a.tp:(r + 1) * a.tp])
+                          for r in range(a.replicas)]
+            else:
+                slot = a.share * f
+                groups = [tuple([gpu]) for gpu, units in pieces
+                          for _ in range(int(units / slot + 1e-9))][:a.replicas]
+            if len(groups) < a.replicas:
+                raise PlacementError(f"{w.workflow}/{m.model}: {a} does not fit its run "
+                                     f"of {m.units} units at line unit {m.start}")
+            for group in groups:
+                d = demands[len(placed)]
+                node = line[group[0]][0]
+                gpus = tuple(line[gpu][1] for gpu in group)
+                mem = min(int(d.share * memory[(node, i)]) for i in gpus)
+                placed.append(PlacedReplica(d, node, gpus, d.share, mem))
+    out = Placement(tuple(placed))
+    check_placement(problem.cluster, out)
+    return out
+
+
 @dataclass(frozen=True)
 class PlacedSearch:
-    """The last search result tried, its placement (``None``: none placed), and the way there."""
+    """The last search result tried, its placement (``None``: none placed), and the way there.
+    ``on_line``: the placement heuristic failed and the search's own layout was used."""
 
     result: SearchResult
     placement: Placement | None
     attempts: int  # searches run (1: the first result placed)
     excluded: frozenset[ExcludedConfig]  # configurations given up because they did not place
     failures: tuple[str, ...]  # the placement errors met on the way
+    on_line: bool = False
 
 
 def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSearch:
-    """Search, then place; when a replica does not place, exclude its model's configuration
-    (that workflow, TP, replicas, share) and search again: the best allocation without it.
-    Gives up after ``max_attempts`` searches (``placement`` is then ``None``)."""
+    """Search, then place with :func:`optimizer.placement.place` (paper §6); where that
+    heuristic fails, the search's own layout is the placement (:func:`line_placement`). Only
+    when both fail (a GPU type a replica cannot use, say), exclude the failing replica's model
+    configuration (that workflow, TP, replicas, share) and search again: the best allocation
+    without it. Gives up after ``max_attempts`` searches (``placement`` is then ``None``)."""
     failures: list[str] = []
     attempt = 0
     while True:
@@ -376,6 +424,11 @@ def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSea
             return PlacedSearch(result, place(problem.cluster, demands), attempt,
                                 problem.exclude, tuple(failures))
         except PlacementError as exc:
+            try:
+                return PlacedSearch(result, line_placement(problem, result), attempt,
+                                    problem.exclude, tuple(failures), on_line=True)
+            except PlacementError:
+                pass
             failures.append(str(exc))
             if exc.demand_index is None or attempt >= max_attempts:
                 return PlacedSearch(result, None, attempt, problem.exclude, tuple(failures))

@@ -3,8 +3,9 @@
 Role: prove (or show exactly where not) that :mod:`optimizer.search` finds the optimum of the
 space :mod:`optimizer.search_space` defines. It shares only the space's rules with the search;
 everything else is brute force: every units vector ``u >= 1`` with ``Σ u <= budget``, packed in
-the same order, every ``(tp, replicas)`` with ``tp · replicas`` dividing the GPUs spanned for
-every LLM, the full cartesian product across LLMs, the rules applied to each row, and every
+the same order, every configuration of every LLM's run on the GPU line
+(:func:`optimizer.search_space.run_configs`), the full cartesian product across LLMs, the rules
+applied to each row, and every
 remaining row predicted with the *whole-pipeline* :func:`optimizer.alp.predict_many` (so the
 search's per-LLM decomposition is checked too). Same selection: the lowest latency among rows
 whose throughput covers ``rate x (1 + headroom)``; else, among rows of the highest throughput
@@ -31,14 +32,15 @@ import numpy as np
 from optimizer.alp import ModelAlloc, predict_many
 from optimizer.search_space import (
     FEASIBLE_RTOL,
+    FloatArray,
     IntArray,
+    LineLayout,
     SearchProblem,
     WorkflowTarget,
+    line_layout,
     model_rules,
     packing_order,
-    powers_of_two_upto,
-    raw_pairs,
-    span,
+    run_configs,
     valid_mask,
 )
 from optimizer.welfare import TIE_TOL
@@ -88,31 +90,26 @@ def _vectors(models: int, budget: int, ratio_order: bool) -> Iterator[IntArray]:
             yield np.concatenate([np.full((len(rest), 1), first, dtype=np.int64), rest], axis=1)
 
 
-def _rows(problem: SearchProblem, target: WorkflowTarget, order: tuple[int, ...],
-          vectors: IntArray, start: int) -> tuple[IntArray, IntArray, IntArray]:
-    """(replicas, tp, units) per row and stage (stage order) for every valid configuration."""
-    f = problem.granularity
+def _rows(problem: SearchProblem, layout: LineLayout, target: WorkflowTarget,
+          order: tuple[int, ...], vectors: IntArray,
+          start: int) -> tuple[IntArray, IntArray, FloatArray]:
+    """(replicas, tp, share) per row and stage (stage order) for every valid configuration."""
     stages = target.pipeline.stages
     count = len(stages)
     vec = np.arange(len(vectors))
     tp = np.zeros((len(vectors), count), dtype=np.int64)
     reps = np.zeros_like(tp)
-    offsets = (start + np.concatenate([np.zeros((len(vectors), 1), dtype=np.int64),
-                                       np.cumsum(vectors, axis=1)[:, :-1]], axis=1)) % f
+    share = np.zeros((len(vectors), count))
+    starts = start + np.concatenate([np.zeros((len(vectors), 1), dtype=np.int64),
+                                     np.cumsum(vectors, axis=1)[:, :-1]], axis=1)
     for pos, j in enumerate(order):
         rules = model_rules(problem, target.pipeline.workflow, stages[j].model)
-        g = span(offsets[vec, pos], vectors[vec, pos], f)
-        pairs = [raw_pairs(int(x), powers_of_two_upto(int(x))) for x in g]
-        counts = np.array([len(p) for p in pairs], dtype=np.int64)
-        flat = np.array([pair for p in pairs for pair in p], dtype=np.int64).reshape(-1, 2)
-        vec = np.repeat(vec, counts)
-        tp, reps = np.repeat(tp, counts, axis=0), np.repeat(reps, counts, axis=0)
-        tp[:, j], reps[:, j] = flat[:, 0], flat[:, 1]
-        ok = valid_mask(rules, vectors[vec, pos], tp[:, j], reps[:, j], f)
-        vec, tp, reps = vec[ok], tp[ok], reps[ok]
-    units = np.zeros_like(tp)
-    units[:, list(order)] = vectors[vec]
-    return reps, tp, units
+        rc = run_configs(layout, starts[vec, pos], vectors[vec, pos])
+        vec, tp, reps, share = vec[rc.run], tp[rc.run], reps[rc.run], share[rc.run]
+        tp[:, j], reps[:, j], share[:, j] = rc.tp, rc.replicas, rc.share
+        ok = valid_mask(rules, tp[:, j], reps[:, j], share[:, j])
+        vec, tp, reps, share = vec[ok], tp[ok], reps[ok], share[ok]
+    return reps, tp, share
 
 
 def solve(problem: SearchProblem, workflow: int = 0, start: int = 0, budget: int | None = None,
@@ -120,7 +117,7 @@ def solve(problem: SearchProblem, workflow: int = 0, start: int = 0, budget: int
     """Brute-force optimum of workflow ``workflow`` on ``budget`` units from unit ``start``."""
     t0 = time.perf_counter()
     target = problem.workflows[workflow]
-    pipe, f = target.pipeline, problem.granularity
+    pipe, layout = target.pipeline, line_layout(problem.cluster, problem.granularity)
     budget = problem.units if budget is None else budget
     order = packing_order(problem, pipe)
     goal = target.rate * (1.0 + problem.headroom)
@@ -129,13 +126,12 @@ def solve(problem: SearchProblem, workflow: int = 0, start: int = 0, budget: int
         for i in range(0, len(chunk), CHUNK):
             if deadline is not None and time.monotonic() > deadline:
                 raise ReferenceTimeout(f"{pipe.workflow}: reference solver past its deadline")
-            parts.append(_rows(problem, target, order, chunk[i:i + CHUNK], start))
+            parts.append(_rows(problem, layout, target, order, chunk[i:i + CHUNK], start))
     reps = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, len(pipe.stages)))
     tp = np.concatenate([p[1] for p in parts]) if parts else reps
-    units = np.concatenate([p[2] for p in parts]) if parts else reps
+    share = np.concatenate([p[2] for p in parts]) if parts else reps
     if len(reps) == 0:
         return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
-    share = units / (f * tp * reps)
 
     def run(rate: float) -> tuple[np.ndarray, np.ndarray]:
         pred = predict_many(pipe, problem.book, rate, reps, tp, share, stat=problem.stat,
@@ -168,10 +164,10 @@ class SplitResult:
 def utility(problem: SearchProblem, workflow: int, start: int, budget: int,
             deadline: float | None = None) -> float:
     """The welfare utility :mod:`optimizer.search` defines, by brute force."""
-    f, total = problem.granularity, problem.units
+    cycle, total = line_layout(problem.cluster, problem.granularity).cycle, problem.units
     goal = problem.workflows[workflow].rate * (1.0 + problem.headroom)
     alone = min(solve(problem, workflow, o, total - o, deadline=deadline).latency
-                for o in range(f if len(problem.workflows) > 1 else 1))
+                for o in range(cycle if len(problem.workflows) > 1 else 1))
     here = solve(problem, workflow, start, budget, deadline=deadline)
     if here.feasible:
         return alone / here.latency if math.isfinite(alone) else 1.0
@@ -182,10 +178,11 @@ def solve_split(problem: SearchProblem, deadline: float | None = None) -> SplitR
     """Every split of the cluster's units between the workflows, scored by the welfare policy
     (egalitarian: the worst utility, ties by the sum; social: the sum)."""
     count, total = len(problem.workflows), problem.units
+    cycle = line_layout(problem.cluster, problem.granularity).cycle
     memo: dict[tuple[int, int, int], float] = {}
 
     def util(w: int, start: int, budget: int) -> float:
-        key = (w, start % problem.granularity, budget)
+        key = (w, start % cycle, budget)
         if key not in memo:
             memo[key] = utility(problem, w, start, budget, deadline)
         return memo[key]

@@ -4,21 +4,35 @@ Role: define *what* an allocation candidate is, once, so that :mod:`optimizer.se
 exact) and :mod:`optimizer.search_reference` (brute force) provably search the same space.
 
 The space, for one workflow given ``B`` GPU units (``F`` units per GPU, the granularity) that
-start at unit ``start`` of the cluster's GPU line:
+start at unit ``start`` of the cluster's *GPU line* (its GPUs in node, NVLink-domain, index
+order: :func:`line_gpus`):
 
 - every LLM ``m`` of the workflow gets ``u_m >= 1`` units, ``Σ u_m <= B`` (what is left stays
-  idle: more units can rule configurations out, see the next rule);
+  idle: more units can rule configurations out, see the next rules);
 - the LLMs are packed contiguously in *packing order* (highest light-load latency contribution
   ``n/p · L(0)`` first, ties by name: paper §5, "the highest-latency LLMs have less
-  partitioning"); LLM ``m`` starts at offset ``o_m`` inside its first GPU and spans
-  ``g_m = ceil((o_m + u_m) / F)`` GPUs;
-- a configuration ``(tp, d)`` of ``m`` needs ``tp · d`` to divide ``g_m`` (paper: "tensor
-  parallelism degree times replica count evenly divides the number of GPUs"), ``tp`` a power of
-  two within the largest NVLink domain and among the model's allowed degrees (only 1 when TP is
-  disabled); every replica gets the share ``s = u_m / (F · tp · d)`` of each of its ``tp`` GPUs,
-  ``s <= 1`` (``s == 1`` when fractions are disabled), and ``s · tp · memory >= floor_m`` with
-  ``memory`` the smallest GPU memory of the cluster (conservative on mixed clusters);
+  partitioning"); LLM ``m``'s run starts at offset ``o_m`` inside its first GPU and spans
+  ``g_m = ceil((o_m + u_m) / F)`` GPUs, holding a *piece* of each: ``F - o_m`` units of the
+  first, all ``F`` of the ones in between, the rest of the last;
+- a configuration ``(tp, d, s)`` of ``m`` (``d`` replicas at TP ``tp``, each on the share ``s``
+  of each of its ``tp`` GPUs) must fit *inside the run's pieces*, so that the line itself is a
+  placement (placement-aware: no GPU over 100 %, nothing to fragment). Two families:
+  (a) one replica GPU per GPU of the run: ``tp · d == g_m`` (paper: "tensor parallelism degree
+  times replica count evenly divides the number of GPUs"), ``s`` the smallest piece over ``F``,
+  and each TP group (``tp`` consecutive GPUs of the run) inside one NVLink domain on the line;
+  (b) TP 1 with several replicas per piece (beyond the paper: one LLM's replicas share a GPU
+  the way different LLMs do): for a slot of ``c`` units (``1 <= c <= F``), ``d = Σ_pieces
+  floor(piece / c)`` replicas of share ``c / F``;
+  what a configuration does not use of the run stays idle;
+- ``tp`` a power of two within the largest NVLink domain and among the model's allowed degrees
+  (only 1 when TP is disabled); ``s == 1`` when fractions are disabled; ``s · tp · memory >=
+  floor_m`` with ``memory`` the smallest GPU memory of the cluster (conservative on mixed
+  clusters);
 - configurations named in ``SearchProblem.exclude`` are out (placement retries use this).
+
+Because TP groups must sit inside NVLink domains, a configuration depends on where on the line
+its run starts, modulo the line's *cycle*: ``F x`` the number of GPUs after which the line's
+domain pattern repeats (:class:`LineLayout`; 2 GPUs for nodes of 4 with NVLink pairs).
 
 Several workflows split the line: workflow ``k`` gets budget ``b_k`` starting where the previous
 budgets end. Invariants: everything here is pure; :func:`chain` is the one dynamic programme both
@@ -156,23 +170,105 @@ def model_rules(problem: SearchProblem, workflow: str, model: str) -> ModelRules
                       problem.gpu_memory_bytes, problem.allow_fraction, excluded)
 
 
-def span(offset: npt.ArrayLike, units: npt.ArrayLike, granularity: int) -> IntArray:
-    """GPUs a run of ``units`` starting ``offset`` units into a GPU touches."""
-    total = np.asarray(offset, dtype=np.int64) + np.asarray(units, dtype=np.int64)
-    return np.asarray(-(-total // granularity), dtype=np.int64)
+def line_gpus(cluster: Cluster) -> tuple[tuple[str, int], ...]:
+    """(node name, GPU index) of every GPU in line order: nodes in order, inside a node its
+    NVLink domains in order, inside a domain its GPUs in order."""
+    return tuple((n.name, g.index) for n in cluster.nodes for d in n.domains for g in d.gpus)
 
 
-def raw_pairs(gpus: int, domain_tps: Sequence[int]) -> list[tuple[int, int]]:
-    """Every (tp, replicas) with ``tp · replicas`` dividing ``gpus``, tp from ``domain_tps``."""
-    return [(t, k // t) for k in range(1, gpus + 1) if gpus % k == 0
-            for t in domain_tps if k % t == 0]
+@dataclass(frozen=True)
+class LineLayout:
+    """Where TP groups may sit on the GPU line, periodically (see the module docstring)."""
+
+    granularity: int
+    gpus: int
+    period: int  # GPUs after which the domain pattern repeats (divides ``gpus``)
+    tps: tuple[int, ...]  # powers of two up to the largest NVLink domain
+    # tp -> (period, most groups + 1): True where ``d`` groups of ``tp`` GPUs starting at that
+    # GPU (mod period) each lie inside one NVLink domain
+    groups_ok: Mapping[int, BoolArray]
+
+    @property
+    def cycle(self) -> int:
+        """Units after which configurations repeat along the line."""
+        return self.granularity * self.period
 
 
-def valid_mask(rules: ModelRules, units: IntArray, tp: IntArray, replicas: IntArray,
-               granularity: int) -> BoolArray:
-    """Which configurations (arrays of equal shape; ``tp · replicas`` already divides the span)
-    the rules allow."""
-    share = units / (granularity * tp * replicas)
+def line_layout(cluster: Cluster, granularity: int) -> LineLayout:
+    line = line_gpus(cluster)
+    where = {}
+    for n in cluster.nodes:
+        for k, dom in enumerate(n.domains):
+            for g in dom.gpus:
+                where[(n.name, g.index)] = (n.name, k)
+    count = len(line)
+    tps = powers_of_two_upto(cluster.max_domain_size)
+
+    def one_domain(i: int, t: int) -> bool:
+        return i + t <= count and len({where[line[j]] for j in range(i, i + t)}) == 1
+
+    ok = {t: [one_domain(i, t) for i in range(count)] for t in tps}
+    period = next(p for p in range(1, count + 1) if count % p == 0
+                  and all(ok[t][i] == ok[t][i % p] for t in tps for i in range(count)))
+    groups = {}
+    for t in tps:
+        most = count // t + 2
+        table = np.zeros((period, most), dtype=np.bool_)
+        for first in range(period):
+            table[first, 0] = True
+            for d in range(1, most):
+                table[first, d] = table[first, d - 1] and ok[t][(first + (d - 1) * t) % period]
+        groups[t] = table
+    return LineLayout(granularity, count, period, tps, MappingProxyType(groups))
+
+
+@dataclass(frozen=True)
+class RunConfigs:
+    """Configurations of runs, as parallel arrays; ``run`` indexes the runs asked about."""
+
+    run: IntArray
+    tp: IntArray
+    replicas: IntArray
+    share: FloatArray
+
+
+def run_configs(layout: LineLayout, position: npt.ArrayLike, units: npt.ArrayLike) -> RunConfigs:
+    """Every configuration (both families, before the model's rules) of each run of ``units``
+    starting at line unit ``position`` (taken modulo the cycle), each listed once."""
+    f = layout.granularity
+    x = np.asarray(position, dtype=np.int64).reshape(-1) % layout.cycle
+    u = np.asarray(units, dtype=np.int64).reshape(-1)
+    idx = np.arange(len(u))
+    o, first = x % f, x // f
+    g = -(-(o + u) // f)
+    head = np.minimum(f - o, u)
+    tail = np.where(g >= 2, o + u - (g - 1) * f, 0)
+    inner = np.maximum(g - 2, 0)
+    smallest = np.where(g >= 2, np.minimum(head, tail), u)
+    parts: list[tuple[IntArray, IntArray, IntArray, FloatArray]] = []
+    for t in layout.tps:  # (a) one replica GPU per GPU of the run, TP groups inside domains
+        d = g // t
+        table = layout.groups_ok[t]
+        fits = (g % t == 0) & (d < table.shape[1])
+        fits[fits] &= table[first[fits], d[fits]]
+        parts.append((idx[fits], np.full(int(fits.sum()), t), d[fits], smallest[fits] / f))
+    for slot in range(1, f + 1):  # (b) TP 1, several replicas per piece
+        d = head // slot + inner * (f // slot) + tail // slot
+        fits = d >= 1
+        parts.append((idx[fits], np.ones(int(fits.sum()), dtype=np.int64), d[fits],
+                      np.full(int(fits.sum()), slot / f)))
+    run = np.concatenate([q[0] for q in parts]).astype(np.int64)
+    tp = np.concatenate([q[1] for q in parts]).astype(np.int64)
+    reps = np.concatenate([q[2] for q in parts]).astype(np.int64)
+    share = np.concatenate([q[3] for q in parts]).astype(np.float64)
+    key = np.stack([run, tp, reps, np.round(share * f).astype(np.int64)], axis=1)
+    _, keep = np.unique(key, axis=0, return_index=True)
+    keep = np.sort(keep)
+    return RunConfigs(run[keep], tp[keep], reps[keep], share[keep])
+
+
+def valid_mask(rules: ModelRules, tp: IntArray, replicas: IntArray, share: FloatArray) -> BoolArray:
+    """Which configurations (arrays of equal shape, from :func:`run_configs`) the rules allow."""
     ok = (share <= 1.0 + 1e-12) & np.isin(tp, rules.tps)
     if not rules.allow_fraction:
         ok &= np.abs(share - 1.0) <= 1e-12
@@ -212,19 +308,19 @@ MAX_MIN = Semiring(np.minimum, np.greater, np.inf, -np.inf)  # highest bottlenec
 MAX_SUM = Semiring(np.add, np.greater, 0.0, -np.inf)  # social welfare
 
 
-def chain(tables: Sequence[FloatArray], start: int, total: int, granularity: int,
+def chain(tables: Sequence[FloatArray], start: int, total: int, cycle: int,
           ring: Semiring, min_units: int = 1,
           prefer_more: bool = False) -> tuple[FloatArray, list[IntArray]]:
     """Best total of stages laid out one after another from unit ``start``.
 
-    ``tables[k][o, u]``: stage ``k``'s value when it starts ``o`` units into a GPU and takes
-    ``u`` units (``u >= min_units``). Returns ``best[y]`` over layouts using exactly ``y`` units
+    ``tables[k][o, u]``: stage ``k``'s value when it starts at line unit ``o`` (modulo
+    ``cycle``, :attr:`LineLayout.cycle`) and takes ``u`` units (``u >= min_units``). Returns ``best[y]`` over layouts using exactly ``y`` units
     and, per stage, ``choice[k][y]``: the units stage ``k`` took when stages ``0..k`` used ``y``
     (for :func:`backtrack`). Ties keep the stage's smaller ``u``, or its larger one with
     ``prefer_more``. Exact: every layout is covered, ``O(K · total²)`` array work.
     """
     positions = np.arange(total + 1)
-    offsets = (start + positions) % granularity
+    offsets = (start + positions) % cycle
     best = np.full(total + 1, ring.worst)
     best[0] = ring.identity
     choices: list[IntArray] = []
@@ -247,10 +343,10 @@ def chain(tables: Sequence[FloatArray], start: int, total: int, granularity: int
     return best, choices
 
 
-def count_chain(tables: Sequence[FloatArray], start: int, total: int, granularity: int) -> float:
+def count_chain(tables: Sequence[FloatArray], start: int, total: int, cycle: int) -> float:
     """How many layouts (times per-stage multiplicities ``tables[k][o, u]``) use at most
     ``total`` units: the size of the space :func:`chain` covers (float: exact below 2**53)."""
-    offsets = (start + np.arange(total + 1)) % granularity
+    offsets = (start + np.arange(total + 1)) % cycle
     ways = np.zeros(total + 1)
     ways[0] = 1.0
     for table in tables:

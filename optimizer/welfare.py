@@ -1,8 +1,9 @@
 """Welfare policies: how the search splits the cluster's GPU units between workflows.
 
 Role: the outer level of the search (paper §5, "Scheduling multiple workflows"). Each workflow
-comes with a utility table ``u[o, b]``: its utility when its units start ``o`` units into a GPU
-and it may use ``b`` units (non-decreasing in ``b``). A policy picks budgets ``b_k``, laid out
+comes with a utility table ``u[o, b]``: its utility when its units start at line unit ``o``
+(modulo the line's cycle, :class:`optimizer.search_space.LineLayout`) and it may use ``b``
+units (non-decreasing in ``b``). A policy picks budgets ``b_k``, laid out
 one after another from unit 0 with ``Σ b_k <= total``, maximising its aggregate:
 
 - ``egalitarian`` (the paper's default): the worst workflow's utility; among the splits reaching
@@ -35,16 +36,16 @@ class Welfare(Protocol):
     def name(self) -> str: ...
 
     def split(self, utilities: Sequence[FloatArray], total: int,
-              granularity: int) -> tuple[tuple[int, ...], float]:
+              cycle: int) -> tuple[tuple[int, ...], float]:
         """Budgets per workflow (units) and the aggregate utility they reach."""
         ...
 
 
 def _max_sum(utilities: Sequence[FloatArray], total: int,
-             granularity: int) -> tuple[tuple[int, ...], float]:
+             cycle: int) -> tuple[tuple[int, ...], float]:
     # Ties go to larger budgets: a workflow's allocation is the best within its budget, so a
     # unit that changes no utility is better used than left idle.
-    best, choices = chain(utilities, 0, total, granularity, MAX_SUM, min_units=0,
+    best, choices = chain(utilities, 0, total, cycle, MAX_SUM, min_units=0,
                           prefer_more=True)
     used = int(total - np.argmax(best[::-1]))
     if not np.isfinite(best[used]):
@@ -57,8 +58,8 @@ class Social:
     name: str = "social"
 
     def split(self, utilities: Sequence[FloatArray], total: int,
-              granularity: int) -> tuple[tuple[int, ...], float]:
-        return _max_sum(utilities, total, granularity)
+              cycle: int) -> tuple[tuple[int, ...], float]:
+        return _max_sum(utilities, total, cycle)
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ class Egalitarian:
     name: str = "egalitarian"
 
     def split(self, utilities: Sequence[FloatArray], total: int,
-              granularity: int) -> tuple[tuple[int, ...], float]:
-        best, _ = chain(utilities, 0, total, granularity, MAX_MIN, min_units=0)
+              cycle: int) -> tuple[tuple[int, ...], float]:
+        best, _ = chain(utilities, 0, total, cycle, MAX_MIN, min_units=0)
         worst = float(best.max())
         # Second pass: the largest sum among splits that keep every utility at the maximin.
         floor = worst - TIE_TOL * max(1.0, abs(worst))
         kept = [np.where(u >= floor, u, -np.inf) for u in utilities]
-        budgets, _ = _max_sum(kept, total, granularity)
+        budgets, _ = _max_sum(kept, total, cycle)
         return budgets, worst
 
 
