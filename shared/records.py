@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import re
 import time
 import uuid
 from dataclasses import astuple, dataclass, fields
@@ -111,9 +110,40 @@ _SECRET_KEYS = frozenset(
         "key",
     }
 )
-# Every key _scrub redacts ends in one of these right before its closing quote; "max_tokens"
-# does not match b'token"', so ordinary bodies skip the walk entirely.
-_HINT = re.compile(rb'(?i)(?:key|token|secret|password|authorization|bearer)"')
+# Cache of key -> is it a secret's name; bodies repeat the same few keys ("model", "role",
+# "content", ...), so the normalisation runs once per distinct key, not once per call.
+_KEY_IS_SECRET: dict[str, bool] = {}
+_MAX_CACHED_KEYS = 4096
+
+
+def _is_secret_key(key: object) -> bool:
+    name = key if isinstance(key, str) else str(key)
+    known = _KEY_IS_SECRET.get(name)
+    if known is None:
+        norm = name.lower().replace("-", "").replace("_", "")
+        known = norm in _SECRET_KEYS or norm.endswith(("apikey", "secret", "password"))
+        if len(_KEY_IS_SECRET) < _MAX_CACHED_KEYS:
+            _KEY_IS_SECRET[name] = known
+    return known
+
+
+def _has_secret(value: Any) -> bool:
+    """Whether :func:`_scrub` would redact anything: a walk over keys only, so its cost
+    follows the body's structure, not the length of its prompts."""
+    if isinstance(value, dict):
+        known = _KEY_IS_SECRET.get
+        for key, item in value.items():
+            secret = known(key)
+            if secret if secret is not None else _is_secret_key(key):
+                return True
+            if isinstance(item, (dict, list)) and _has_secret(item):
+                return True
+        return False
+    if isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)) and _has_secret(item):
+                return True
+    return False
 
 
 def _scrub(value: Any) -> tuple[Any, bool]:
@@ -121,8 +151,7 @@ def _scrub(value: Any) -> tuple[Any, bool]:
         changed = False
         out: dict[str, Any] = {}
         for key, item in value.items():
-            norm = str(key).lower().replace("-", "").replace("_", "")
-            if norm in _SECRET_KEYS or norm.endswith(("apikey", "secret", "password")):
+            if _is_secret_key(key):
                 out[key] = "[redacted]"
                 changed = True
             else:
@@ -138,10 +167,9 @@ def _scrub(value: Any) -> tuple[Any, bool]:
 def scrub_body(raw: bytes, parsed: Any) -> str:
     """The body as stored: the raw JSON text, or a re-serialised copy with secrets redacted.
 
-    The cheap byte search keeps the common case (no secret-looking key) to a single decode.
+    The common case (no secret-named key) costs a walk over the keys and a single decode.
     """
-    if _HINT.search(raw):
-        cleaned, changed = _scrub(parsed)
-        if changed:
-            return orjson.dumps(cleaned).decode()
+    if _has_secret(parsed):
+        cleaned, _ = _scrub(parsed)
+        return orjson.dumps(cleaned).decode()
     return raw.decode("utf-8", errors="replace")
