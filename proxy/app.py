@@ -180,5 +180,9 @@ def make_app(settings: Settings) -> web.Application:
     app.router.add_get("/w/{workflow}/v1/models", list_models)
     app.router.add_get("/w/{workflow}/r/{rid}/v1/models", list_models)
     admin.add_routes(app)
+    # The engine routes by name resolve with one dict lookup; everything else (workflow paths,
+    # unknown routes naming a known model) falls through to the catch-all.
+    for path in sorted(forward.ENGINE_ROUTES):
+        app.router.add_post(path, forward.handle)
     app.router.add_post("/{tail:.*}", forward.handle)
     return app
