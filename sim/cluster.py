@@ -12,14 +12,22 @@ Invariants and assumptions:
   work)`` of the bandwidth (# assumed: bandwidth divides in proportion to SM shares); SMs are
   partitioned by MPS, so compute does not contend;
 - routing picks, per call, among the replicas of the call's model: power of two choices on
-  outstanding calls (default), the least outstanding, or affinity by workflow request with a
-  fall-back to the least loaded when the preferred replica is far busier.
+  outstanding calls, the least outstanding, affinity by workflow request with a fall-back to
+  the least loaded when the preferred replica is far busier, or ``prefix_affinity``: the
+  product proxy's policy (``proxy.router``, the one ``deploy/proxy-settings.yaml`` deploys)
+  with its default settings, over token blocks instead of characters (# assumed: 4
+  characters a token): a chat call follows the replica that last served the longest
+  remembered prefix of its prompt when at least half of the prompt's blocks matched and that
+  replica is at most ``affinity_slack`` calls busier than the least loaded; otherwise (and for
+  embeddings and rerank calls, which carry no chat prompt) the least loaded replica, ties
+  broken at random.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -27,13 +35,17 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from shared.settings import RoutingSettings
 from sim.engine import EngineCore
 from sim.perf import PerfModel, perf_model
+from sim.workflows import Prompt
 
-__all__ = ["Allocation", "Replica", "ReplicaSpec", "Router", "RoutingPolicy", "build_replicas"]
+__all__ = ["Allocation", "PrefixTable", "Replica", "ReplicaSpec", "Router", "RoutingPolicy",
+           "build_replicas"]
 
-RoutingPolicy = Literal["p2c", "least", "affinity"]
+RoutingPolicy = Literal["p2c", "least", "affinity", "prefix_affinity"]
 _EPS = 1e-9
+CHARS_PER_TOKEN = 4  # assumed: the proxy hashes characters, the simulator counts tokens
 
 
 @dataclass(frozen=True)
@@ -141,23 +153,77 @@ def build_replicas(allocation: Allocation, *, max_num_batched_tokens: int = 8192
     return replicas
 
 
+class PrefixTable:
+    """``proxy.router.PrefixTable`` over a simulated prompt: an LRU map from chained prefix
+    block keys to the replica that last served them. Keys are the prompt's first ``limit``
+    tokens in blocks of ``block`` (the last one partial, as the proxy cuts text)."""
+
+    def __init__(self, block: int, limit: int, capacity: int) -> None:
+        self.block, self.limit, self.capacity = block, limit, capacity
+        self._map: OrderedDict[int, Replica] = OrderedDict()
+
+    @classmethod
+    def from_settings(cls, s: RoutingSettings) -> PrefixTable:
+        return cls(max(1, s.prefix_block_chars // CHARS_PER_TOKEN),
+                   max(1, s.max_prefix_chars // CHARS_PER_TOKEN), s.affinity_entries)
+
+    def keys(self, prompt: Prompt) -> list[int]:
+        limit = min(prompt.total, self.limit)
+        full = prompt.block_hashes(self.block)[: limit // self.block]
+        start = len(full) * self.block
+        if limit > start or not full:  # the partial last block, named by its segment pieces
+            pieces: list[tuple[int, int, int]] = []
+            end = prompt.total
+            node: Prompt | None = prompt
+            while node is not None and end > start:
+                lo = max(start, end - node.length)
+                hi = min(limit, end)
+                if hi > lo:
+                    pieces.append((node.key, lo - (end - node.length), hi - lo))
+                end -= node.length
+                node = node.parent
+            full = [*full, hash((full[-1] if full else 0, tuple(reversed(pieces))))]
+        return full
+
+    def longest(self, keys: Sequence[int]) -> tuple[Replica | None, int]:
+        """(replica, number of matched blocks) of the longest remembered prefix."""
+        for i in range(len(keys) - 1, -1, -1):
+            rep = self._map.get(keys[i])
+            if rep is not None:
+                return rep, i + 1
+        return None, 0
+
+    def remember(self, keys: Sequence[int], replica: Replica) -> None:
+        for key in keys:
+            self._map[key] = replica
+            self._map.move_to_end(key)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+
 class Router:
     """Picks a replica of a model for each call."""
 
     def __init__(self, replicas: Sequence[Replica], policy: RoutingPolicy,
-                 rng: random.Random, affinity_slack: int = 8) -> None:
+                 rng: random.Random, affinity_slack: int = 8,
+                 settings: RoutingSettings | None = None) -> None:
         self.policy = policy
         self.rng = rng
         self.affinity_slack = affinity_slack
+        self.settings = settings or RoutingSettings()
         self.by_model: dict[str, list[Replica]] = {}
         for r in replicas:
             self.by_model.setdefault(r.spec.model, []).append(r)
+        self._prefixes: dict[str, PrefixTable] = {}
 
-    def pick(self, model: str, request_key: int) -> Replica:
-        """KeyError if no replica serves ``model``."""
+    def pick(self, model: str, request_key: int, prompt: Prompt | None = None) -> Replica:
+        """KeyError if no replica serves ``model``. ``prompt``: a chat call's prompt, which
+        ``prefix_affinity`` routes by (None: the call carries none, as embeddings)."""
         pool = self.by_model[model]
         if len(pool) == 1:
             return pool[0]
+        if self.policy == "prefix_affinity":
+            return self._pick_prefix(model, pool, prompt)
         if self.policy == "p2c":
             ra, rb = self.rng.sample(pool, 2)
             return ra if ra.outstanding <= rb.outstanding else rb
@@ -168,3 +234,20 @@ class Router:
         if preferred.outstanding > least.outstanding + self.affinity_slack:
             return least
         return preferred
+
+    def _pick_prefix(self, model: str, pool: list[Replica], prompt: Prompt | None) -> Replica:
+        if prompt is None:  # the proxy's p2c
+            ra, rb = self.rng.sample(pool, 2)
+            return ra if ra.outstanding <= rb.outstanding else rb
+        table = self._prefixes.get(model)
+        if table is None:
+            table = self._prefixes[model] = PrefixTable.from_settings(self.settings)
+        keys = table.keys(prompt)
+        least = min(pool, key=lambda r: (r.outstanding, self.rng.random()))
+        chosen = least
+        preferred, matched = table.longest(keys)
+        if (preferred is not None and matched / len(keys) >= self.settings.affinity_min_match
+                and preferred.outstanding <= least.outstanding + self.settings.affinity_slack):
+            chosen = preferred
+        table.remember(keys, chosen)
+        return chosen

@@ -46,11 +46,13 @@ from sim.workflows import (
 __all__ = [
     "LatencyStats",
     "ReplicaResult",
+    "RequestSpan",
     "SimCall",
     "SimResult",
     "WorkflowResult",
     "WorkloadSpec",
     "simulate",
+    "simulate_requests",
 ]
 
 LABEL = "simulated"
@@ -159,7 +161,9 @@ class _Simulation:
                 return
 
     def submit(self, run: _Run, call: Call) -> None:
-        replica = self.router.pick(call.model, run.key)
+        # the proxy routes a chat call by its prompt; embeddings and rerank bodies carry none
+        chat = call.endpoint == "/v1/chat/completions" and len(call.inputs) == 1
+        replica = self.router.pick(call.model, run.key, call.inputs[0] if chat else None)
         state = _CallState(next(self.call_counter), run, call, replica, self.now,
                            len(call.inputs))
         run.calls[call.model] = run.calls.get(call.model, 0) + 1
@@ -304,17 +308,45 @@ class _Simulation:
         return window_end
 
 
+@dataclass(frozen=True)
+class RequestSpan:
+    """One workflow request of a run: arrival and end (simulated s; ``end`` is -1 while it
+    was still running when the run stopped)."""
+
+    workflow: str
+    arrival: float
+    end: float
+    failed: bool
+
+
 def simulate(allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
              duration_s: float | None = None, n_requests: int | None = None, seed: int = 0,
-             warmup_s: float = 0.0, drain_s: float = 600.0, routing: RoutingPolicy = "p2c",
-             record_calls: bool = False, max_num_batched_tokens: int = 8192,
-             max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-             fast_forward: bool = True) -> SimResult:
+             warmup_s: float = 0.0, drain_s: float = 600.0,
+             routing: RoutingPolicy = "prefix_affinity", record_calls: bool = False,
+             max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+             enable_prefix_caching: bool = True, fast_forward: bool = True) -> SimResult:
     """Simulate ``workloads`` on ``allocation`` for ``duration_s`` of arrivals or until
     ``n_requests`` requests have started (whichever comes first; at least one is needed).
     ``fast_forward``: run uneventful decode steps as one event (same results, much faster).
+    ``routing``: by default the product proxy's deployed policy (``sim.cluster.Router``).
     ``throughput`` counts completions inside the measurement window ``[warmup_s, end of
     arrivals)``: give a warm-up of about a request's latency for steady-state figures."""
+    return simulate_requests(
+        allocation, workloads, duration_s=duration_s, n_requests=n_requests, seed=seed,
+        warmup_s=warmup_s, drain_s=drain_s, routing=routing, record_calls=record_calls,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching, fast_forward=fast_forward)[0]
+
+
+def simulate_requests(
+    allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
+    duration_s: float | None = None, n_requests: int | None = None, seed: int = 0,
+    warmup_s: float = 0.0, drain_s: float = 600.0, routing: RoutingPolicy = "prefix_affinity",
+    record_calls: bool = False, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+    enable_prefix_caching: bool = True, fast_forward: bool = True,
+) -> tuple[SimResult, tuple[RequestSpan, ...]]:
+    """:func:`simulate`, plus every request's span in arrival order (for backlog trends and
+    per-request statistics that the summary does not keep)."""
     if duration_s is None and n_requests is None:
         raise ValueError("give duration_s or n_requests")
     wall = time.perf_counter()
@@ -326,7 +358,9 @@ def simulate(allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
     window_end = sim.run(horizon, n_requests, drain_s)
     if window_end == math.inf:  # the arrivals never stopped: n_requests not reached
         window_end = sim.now
-    return _result(sim, warmup_s, window_end, time.perf_counter() - wall)
+    spans = tuple(RequestSpan(sim.workloads[r.workflow].label, r.arrival, r.end, r.failed)
+                  for r in sim.runs)
+    return _result(sim, warmup_s, window_end, time.perf_counter() - wall), spans
 
 
 def _result(sim: _Simulation, warmup_s: float, window_end: float, wall_s: float) -> SimResult:

@@ -201,3 +201,53 @@ def test_beam_params_depth_follows_the_stop_rule() -> None:
     capped = BeamParams(eos_probability=0.0, max_iterations=3)
     res = simulate(BEAM, [WorkloadSpec("beam", 1.0, capped)], n_requests=3, seed=1)
     assert res.workflows["beam"].calls_per_request["llama-3.2-1b"] == 12.0
+
+
+def test_prefix_affinity_mirrors_the_proxy_router() -> None:
+    import random
+
+    replicas = build_replicas(Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 3)))
+    router = Router(replicas, "prefix_affinity", random.Random(0))
+    # a conversation that grows keeps its replica (most of its blocks were seen there)
+    turn = Prompt(1, 140).extend(77, 300)
+    first = router.pick("llama-3.2-1b", 0, turn)
+    first.outstanding += 1
+    for k in range(5):
+        turn = turn.extend(100 + k, 60)
+        assert router.pick("llama-3.2-1b", 0, turn) is first
+    # a prompt sharing only a short system prompt goes to the least loaded replica
+    other = router.pick("llama-3.2-1b", 0, Prompt(1, 140).extend(78, 900))
+    assert other is not first and other.outstanding == 0
+    # far busier than the least loaded: the preferred replica is passed over
+    first.outstanding += 9
+    assert router.pick("llama-3.2-1b", 0, turn.extend(200, 60)) is not first
+    # no chat prompt (embeddings, rerank): the proxy's power of two choices
+    first.outstanding = 0
+    picks = {router.pick("llama-3.2-1b", 0, None).name for _ in range(60)}
+    assert len(picks) == 3
+
+
+def test_prefix_table_cuts_prompts_like_the_proxy() -> None:
+    from sim.cluster import PrefixTable
+
+    table = PrefixTable(block=32, limit=128, capacity=4)
+    a = Prompt(1, 100).extend(5, 20)  # 120 tokens: 3 full blocks and a partial one
+    b = Prompt(1, 100).extend(6, 20)
+    ka, kb = table.keys(a), table.keys(b)
+    assert len(ka) == 4 and ka[:3] == kb[:3] and ka[3] != kb[3]
+    assert table.keys(Prompt(1, 100).extend(5, 20)) == ka  # equal prompts, equal keys
+    assert len(table.keys(a.extend(9, 500))) == 4  # only the first `limit` tokens count
+
+
+def test_default_routing_keeps_a_beam_on_its_replica_and_its_prefix_cache() -> None:
+    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 3),
+                          ("llama-3.1-8b-prm", "a6000", 1, 1.0, 3))
+    work = [WorkloadSpec("beam", 0.5, BeamParams(max_iterations=6))]
+    hits = {}
+    for routing in ("p2c", "prefix_affinity"):
+        res = simulate(alloc, work, n_requests=12, seed=3, record_calls=True, routing=routing)
+        hits[routing] = sum(c.cached_tokens for c in res.calls)
+        if routing == "prefix_affinity":
+            default = simulate(alloc, work, n_requests=12, seed=3)
+            assert default.workflows == res.workflows
+    assert hits["prefix_affinity"] > 1.1 * hits["p2c"]
