@@ -23,6 +23,7 @@ not overlap earlier ones (co-location contention is modelled only within one sta
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sim.cluster import Allocation, Replica, ReplicaSpec, build_replicas
-from sim.des import SimResult, WorkloadSpec, _result, _Simulation
+from sim.des import SimResult, WorkloadSpec, _result, _Simulation, simulate
 
 __all__ = ["Controller", "DynamicSimulation", "Hpa", "HpaSettings", "run_dynamic"]
 
 ENGINE_KW: dict[str, Any] = {"max_num_batched_tokens": 8192, "max_num_seqs": 256,
                              "enable_prefix_caching": True}
 _RESUME = 2  # sim.des's event kind for resuming a workflow generator (we add callables)
+# Route as the static points do: sim.des.simulate's default is the product proxy's policy.
+ROUTING = inspect.signature(simulate).parameters["routing"].default
 
 
 class Controller(Protocol):
@@ -68,7 +71,7 @@ class DynamicSimulation(_Simulation):
     def __init__(self, allocation: Allocation, workloads: Sequence[WorkloadSpec], seed: int,
                  controller: Controller, cold_start_s: float, record_calls: bool = False
                  ) -> None:
-        super().__init__(allocation, workloads, seed, "p2c", record_calls, True,
+        super().__init__(allocation, workloads, seed, ROUTING, record_calls, True,
                          dict(ENGINE_KW))
         self.controller = controller
         self.cold_start_s = cold_start_s

@@ -39,7 +39,7 @@ from bench.eval_setup import (
     workflow_models,
 )
 from bench.sim_profile import REFINE, Case, ProfileJob, run_profile
-from optimizer.alp import Pipeline
+from optimizer.alp import ModelAlloc, Pipeline, predict
 from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.search import search_and_place
 from optimizer.search_space import SearchProblem, WorkflowTarget
@@ -207,3 +207,28 @@ def capacity(k: Knowledge, kind: str, gpus: int) -> float:
     high = 1e4
     p = plan(k, {kind: high}, gpus)
     return float(p.predicted[kind]["throughput"])
+
+
+def alp_view(k: Knowledge, allocation: Allocation,
+             targets: Mapping[str, float]) -> dict[str, dict[str, float | None]]:
+    """The ALP's view of any system's allocation at ``targets`` (workflow -> requests/s), to
+    tell a misprediction from a search that missed: per workflow, the predicted throughput
+    (per model, the sum over its replica groups of ``d · T(tp, s) / n``) and latency at the
+    target rate (``None`` where a model runs replicas of different TP or shares, which one
+    ``ModelAlloc`` per model, the search's unit, cannot express)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for w, rate in targets.items():
+        pipe = k.pipelines[w]
+        specs = {st.model: [r for r in allocation.replicas if r.model == st.model]
+                 for st in pipe.stages}
+        if not all(specs.values()):
+            out[w] = {"throughput": 0.0, "latency": None}
+            continue
+        throughput = min(sum(r.count * k.book.lookup(st.model, r.tp, r.share).saturation
+                             for r in specs[st.model]) / st.n for st in pipe.stages)
+        latency: float | None = None
+        if all(len(v) == 1 for v in specs.values()) and rate > 0:
+            alloc = {m: ModelAlloc(v[0].count, v[0].tp, v[0].share) for m, v in specs.items()}
+            latency = predict(pipe, k.book, alloc, rate).latency
+        out[w] = {"throughput": throughput, "latency": latency}
+    return out

@@ -33,7 +33,7 @@ import orjson
 from bench.eval_daemon import scenario
 from bench.eval_report import markdown, plot_curves, plot_dynamic, summarise
 from bench.eval_runs import PointJob, run_point
-from bench.eval_scepsy import Knowledge, capacity, knowledge_doc, learn, plan
+from bench.eval_scepsy import Knowledge, alp_view, capacity, knowledge_doc, learn, plan
 from bench.eval_setup import (
     ABLATIONS,
     COMBINED_BEAM_FRACTION,
@@ -83,6 +83,7 @@ def _jobs(k: Knowledge, gpus: int, kind: str, fractions: Sequence[float],
                 ok, why = placeable(allocation, gpus)
                 meta = {"placed": ok, "note": why}
             if allocation is not None:
+                meta["alp"] = alp_view(k, allocation, targets)
                 meta["allocation"] = [{"model": s.model, "replicas": s.count, "tp": s.tp,
                                        "share": s.share} for s in allocation.replicas]
             jobs.append(PointJob(system, kind, gpus, rate, beam_rate, allocation, lengths,

@@ -201,12 +201,15 @@ def _cell_best(cell: IntArray, key: FloatArray, size: int, worst: float) -> tupl
 def _tables(problem: SearchProblem, c: _Configs, workflow: str, rate: float,
             target: float, cycle: int) -> _Tables:
     total = problem.units
-    rows = np.stack([c.tp, c.replicas, np.round(c.share, SHARE_DIGITS + 3)], axis=1)
-    uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+    # one integer key per (tp, replicas, share): a 1-D unique is far cheaper than rows'
+    scale = 10 ** (SHARE_DIGITS + 3)
+    key = (c.replicas * 64 + c.tp) * (2 * scale) + np.round(c.share * scale).astype(np.int64)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     single = Pipeline(workflow, (c.stage,))
-    pred = predict_many(single, problem.book, rate, uniq[:, 1:2], uniq[:, 0:1].astype(np.int64),
-                        uniq[:, 2:3], stat=problem.stat, pooling=problem.pooling)
+    pred = predict_many(single, problem.book, rate, c.replicas[first, None],
+                        c.tp[first, None], c.share[first, None], stat=problem.stat,
+                        pooling=problem.pooling)
     contribution = pred.contribution[inverse, 0]
     capacity = pred.throughput[inverse]
     cell = c.offset * (total + 1) + c.units
@@ -216,7 +219,7 @@ def _tables(problem: SearchProblem, c: _Configs, workflow: str, rate: float,
     neg_cap, cap_arg = _cell_best(cell, -capacity, cycle * (total + 1), np.inf)
     shape = (cycle, total + 1)
     return _Tables(lat.reshape(shape), lat_arg.reshape(shape), -neg_cap.reshape(shape),
-                   cap_arg.reshape(shape), contribution, capacity, len(uniq))
+                   cap_arg.reshape(shape), contribution, capacity, len(first))
 
 
 class _Workflow:

@@ -246,6 +246,9 @@ def run_configs(layout: LineLayout, position: npt.ArrayLike, units: npt.ArrayLik
     inner = np.maximum(g - 2, 0)
     smallest = np.where(g >= 2, np.minimum(head, tail), u)
     parts: list[tuple[IntArray, IntArray, IntArray, FloatArray]] = []
+    # (b) with the smallest piece as the slot: where it gives exactly one replica per GPU,
+    # it is (a) at TP 1, listed once there
+    same = head // smallest + inner * (f // smallest) + tail // smallest == g
     for t in layout.tps:  # (a) one replica GPU per GPU of the run, TP groups inside domains
         d = g // t
         table = layout.groups_ok[t]
@@ -254,17 +257,11 @@ def run_configs(layout: LineLayout, position: npt.ArrayLike, units: npt.ArrayLik
         parts.append((idx[fits], np.full(int(fits.sum()), t), d[fits], smallest[fits] / f))
     for slot in range(1, f + 1):  # (b) TP 1, several replicas per piece
         d = head // slot + inner * (f // slot) + tail // slot
-        fits = d >= 1
+        fits = (d >= 1) & ~((slot == smallest) & same)
         parts.append((idx[fits], np.ones(int(fits.sum()), dtype=np.int64), d[fits],
                       np.full(int(fits.sum()), slot / f)))
-    run = np.concatenate([q[0] for q in parts]).astype(np.int64)
-    tp = np.concatenate([q[1] for q in parts]).astype(np.int64)
-    reps = np.concatenate([q[2] for q in parts]).astype(np.int64)
-    share = np.concatenate([q[3] for q in parts]).astype(np.float64)
-    key = np.stack([run, tp, reps, np.round(share * f).astype(np.int64)], axis=1)
-    _, keep = np.unique(key, axis=0, return_index=True)
-    keep = np.sort(keep)
-    return RunConfigs(run[keep], tp[keep], reps[keep], share[keep])
+    run, tp, reps = (np.concatenate([q[i] for q in parts]).astype(np.int64) for i in range(3))
+    return RunConfigs(run, tp, reps, np.concatenate([q[3] for q in parts]).astype(np.float64))
 
 
 def valid_mask(rules: ModelRules, tp: IntArray, replicas: IntArray, share: FloatArray) -> BoolArray:

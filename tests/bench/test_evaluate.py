@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from bench import evaluate
+from bench.eval_report import cause, summarise
 from bench.eval_scepsy import PROFILE_KEYS
 from bench.eval_setup import SYSTEMS, WORKFLOWS
 
@@ -86,3 +87,44 @@ def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
         assert f"## {wf}" in md
     assert {f"curves_{wf}_4gpus.png" for wf in WORKFLOWS} <= set(doc["plots"])
     assert all((tmp_path / f).stat().st_size > 0 for f in doc["plots"])
+
+
+def _pt(system: str, rate: float, measured: float, sustained: bool, latency: float = 1.0,
+        **extra: object) -> dict[str, object]:
+    return {"system": system, "workflow": "beam", "gpus": 4, "rate": rate,
+            "throughput": measured, "latency_mean": latency, "latency_p90": 2 * latency,
+            "sustained": sustained, **extra}
+
+
+def test_peaks_compare_by_offered_rate_not_by_the_measured_window() -> None:
+    points = [_pt("scepsy", 1.0, 0.97, True), _pt("scepsy", 2.0, 1.9, True),
+              _pt("hpa", 1.0, 1.02, True), _pt("hpa", 2.0, 2.1, True),  # same rates: a tie
+              _pt("even", 1.0, 1.0, True), _pt("even", 2.0, 1.2, False),
+              _pt("independent", 1.0, 1.0, True), _pt("independent", 2.0, 2.0, True),
+              _pt("independent", 3.0, 2.9, True), _pt("scepsy", 3.0, 1.5, False)]
+    summary, shortfalls = summarise(points)
+    s = summary["beam"]["4"]
+    assert s["hpa"]["max_sustained_rate"] == s["scepsy"]["max_sustained_rate"] == 2.0
+    assert s["hpa"]["peak_throughput"] == 2.1 and s["scepsy"]["peak_throughput"] == 1.9
+    assert s["hpa"]["throughput_ratio_scepsy_over"] == 1.0
+    assert s["independent"]["censored"] and not s["scepsy"]["censored"]
+    peaks = {f["system"] for f in shortfalls if f["rate"] is None}
+    assert peaks == {"independent"}  # the only system sustaining a rate Scepsy does not
+
+
+def test_cause_tells_the_search_from_the_alp() -> None:
+    alloc = [{"model": "m", "replicas": 1, "tp": 1, "share": 1.0}]
+
+    def shortfall(b_alp: dict[str, object], s_alp: dict[str, object]) -> dict[str, object]:
+        base = _pt("independent", 2.0, 2.0, True, 1.0, allocation=alloc,
+                   alp={"beam": b_alp})
+        ours = _pt("scepsy", 2.0, 1.0, False, 5.0, allocation=alloc, alp={"beam": s_alp})
+        _, found = summarise([base, ours])
+        return next(f for f in found if f["rate"] == 2.0)
+
+    mixed = shortfall({"throughput": 3.0, "latency": None}, {"throughput": 2.5, "latency": 2.0})
+    assert "different shares" in cause(mixed)
+    missed = shortfall({"throughput": 3.0, "latency": 1.0}, {"throughput": 2.5, "latency": 2.0})
+    assert "Search:" in cause(missed)
+    wrong = shortfall({"throughput": 2.2, "latency": 1.0}, {"throughput": 2.5, "latency": 0.9})
+    assert "ALP misprediction" in cause(wrong)
