@@ -28,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,12 +35,22 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import numpy.typing as npt
 
 from optimizer.modality import Split, bimodal_split
+from optimizer.stats_scan import Bounds, Histogram, Scan, scan
+from optimizer.stats_union import (
+    Segments,
+    mean_of,
+    quantile_cont,
+    request_starts,
+    request_unions,
+    segments,
+)
 from shared.store import StoreReader
 
 US = 1_000_000.0
-_names = itertools.count()
+F64 = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,191 +131,146 @@ def summarise(
     con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, window: Window = Window()
 ) -> dict[str, WorkflowStats]:
     """Statistics per workflow over ``window`` from ``calls`` (a relation on ``con``)."""
-    tag = next(_names)
-    raw, c, r, rm = (f"_scepsy_{kind}_{tag}" for kind in ("raw", "c", "r", "rm"))
-    con.execute("SET enable_progress_bar = false")
-    calls.create_view(raw, replace=True)
-    try:
-        return _summarise(con, raw, c, r, rm, window)
-    finally:
-        for table in (rm, r, c):
-            con.execute(f"DROP TABLE IF EXISTS {table}")
-        con.execute(f"DROP VIEW IF EXISTS {raw}")
-
-
-def _summarise(
-    con: duckdb.DuckDBPyConnection, raw: str, c: str, r: str, rm: str, window: Window
-) -> dict[str, WorkflowStats]:
-    lo = window.t_from_us
     hi = None if window.t_to_us is None else window.t_to_us - window.settle_us
-    in_window = " AND ".join(
-        [f"t_start >= {int(lo)}" if lo is not None else "true"]
-        + ([f"t_start < {int(window.t_to_us)}"] if window.t_to_us is not None else [])
-    )
-    # Only calls that were retried can have a lower attempt to drop: find those few first, so
-    # the common case is one anti-join probe instead of a full group-by over every call.
-    con.execute(f"""
-        CREATE TEMP TABLE {c} AS
-        WITH base AS (
-            SELECT call_id, coalesce(workflow, '') AS workflow, request_id,
-                   hash(coalesce(workflow, ''), request_id) AS rk, model,
-                   coalesce(attempt, 0) AS attempt, t_start, t_end,
-                   prompt_tokens, completion_tokens
-            FROM {raw}),
-        top AS (
-            SELECT call_id, max(attempt) AS top FROM base
-            WHERE call_id IN (SELECT call_id FROM base WHERE attempt > 0) GROUP BY call_id)
-        SELECT base.* EXCLUDE (call_id, attempt) FROM base
-        ANTI JOIN top ON base.call_id = top.call_id AND base.attempt < top.top
-    """)
-    arrive_lo = f"t0 >= {int(lo)}" if lo is not None else "true"
-    arrive_hi = f"t0 < {int(hi)}" if hi is not None else "true"
-    done = f"t1 <= {int(hi)}" if hi is not None else "true"
-    con.execute(f"""
-        CREATE TEMP TABLE {r} AS
-        SELECT rk, any_value(workflow) AS workflow, min(t_start) AS t0, max(t_end) AS t1,
-               sum(t_end - t_start) AS dur
-        FROM {c} WHERE request_id IS NOT NULL AND t_end IS NOT NULL
-        GROUP BY rk
-        HAVING {arrive_lo} AND {arrive_hi}
-    """)
-    arrivals = dict(con.execute(f"SELECT workflow, count(*) FROM {r} GROUP BY ALL").fetchall())
-    con.execute(f"DELETE FROM {r} WHERE NOT ({done})")
-    # Union length of sorted intervals without building islands: an interval adds whatever
-    # of it lies past the running maximum end of the intervals before it.
-    con.execute(f"""
-        CREATE TEMP TABLE {rm} AS
-        WITH w AS (
-            SELECT c.rk, c.workflow, c.model, c.t_start, c.t_end,
-                max(c.t_end) OVER (PARTITION BY c.rk, c.model
-                    ORDER BY c.t_start ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pm,
-                max(c.t_end) OVER (PARTITION BY c.rk
-                    ORDER BY c.t_start ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pa
-            FROM {c} c SEMI JOIN {r} r ON c.rk = r.rk
-            WHERE c.t_end IS NOT NULL AND c.request_id IS NOT NULL)
-        SELECT rk, any_value(workflow) AS workflow, model, count(*) AS k,
-               sum(t_end - t_start)::DOUBLE AS dur,
-               sum(greatest(t_end - greatest(t_start, coalesce(pm, t_start)), 0))::DOUBLE AS u,
-               sum(greatest(t_end - greatest(t_start, coalesce(pa, t_start)), 0))::DOUBLE AS ua
-        FROM w GROUP BY rk, model
-    """)
-    flows = con.execute(f"""
-        WITH q AS (
-            SELECT r.workflow, (r.t1 - r.t0)::DOUBLE AS span, sum(rm.u) AS u_sum,
-                   sum(rm.ua) AS u_all
-            FROM {r} r JOIN {rm} rm USING (rk)
-            GROUP BY r.rk, r.workflow, r.t0, r.t1)
-        SELECT workflow, count(*), avg(span), avg(span * span), avg(u_all), avg(u_sum),
-               avg(span - u_all)
-        FROM q GROUP BY ALL
-    """).fetchall()
-    per_model = con.execute(f"""
-        SELECT rm.workflow, rm.model, sum(rm.k), count(*), sum(rm.dur), sum(rm.u),
-               avg(rm.dur / nullif(rm.u, 0)),
-               sum(rm.dur / nullif(r.dur, 0)), sum((rm.dur / nullif(r.dur, 0)) ** 2)
-        FROM {rm} rm JOIN {r} r USING (rk) GROUP BY rm.workflow, rm.model
-    """).fetchall()
-    tokens = {
-        (row[0], row[1]): (TokenStats(*map(_num, row[2:5])), TokenStats(*map(_num, row[5:8])))
-        for row in con.execute(f"""
-            SELECT workflow, model,
-                   avg(prompt_tokens), quantile_cont(prompt_tokens, 0.5),
-                   quantile_cont(prompt_tokens, 0.9),
-                   avg(completion_tokens), quantile_cont(completion_tokens, 0.5),
-                   quantile_cont(completion_tokens, 0.9)
-            FROM {c} WHERE {in_window} GROUP BY ALL
-        """).fetchall()
-    }
-    unidentified = dict(
-        con.execute(
-            f"SELECT workflow, count(*) FROM {c} WHERE request_id IS NULL AND {in_window} "
-            "GROUP BY ALL"
-        ).fetchall()
-    )
-    span_us = _window_span_us(con, r, window, lo, hi)
+    got = scan(con, calls, Bounds(lo=window.t_from_us, t_to=window.t_to_us, hi=hi))
+    return _assemble(got, window, hi)
 
-    nan_tokens = TokenStats(math.nan, math.nan, math.nan)
-    models: dict[str, dict[str, ModelStats]] = {}
-    counts = {row[0]: int(row[1]) for row in flows}
-    for wf, model, k, req_calling, dur, u, p, share_sum, share_sq in per_model:
-        n_req = counts[wf]
-        share_mean = float(share_sum or 0.0) / n_req
-        prompt, completion = tokens.get((wf, model), (nan_tokens, nan_tokens))
-        models.setdefault(wf, {})[model] = ModelStats(
-            model=model,
-            calls=int(k),
-            requests_calling=int(req_calling),
-            n=int(k) / n_req,
-            p=_num(p),
-            p_agg=float(dur) / float(u) if u else math.nan,
-            latency_mean=float(dur) / int(k) / US,
-            busy_mean=float(u) / n_req / US,
-            share_mean=share_mean,
-            share_cv=_cv(share_mean, float(share_sq or 0.0) / n_req),
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-        )
-    bimodal = _bimodality(con, r, rm, counts)
+
+def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowStats]:
+    n_wf = len(got.workflows)
+    wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
+    starts = request_starts(got.call_a, got.req_off)
+    u_all = request_unions(got.call_a, got.call_b, starts).astype(np.float64)
+    seg = segments(got.call_pair, got.call_a, got.call_b, starts)
+    req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
+    n_req = np.bincount(req_wf, minlength=n_wf)
+    span = (got.req_t1 - got.req_t0).astype(np.float64)
+    u_sum = np.bincount(seg.request, weights=seg.union, minlength=starts.size).astype(np.float64)
+
+    def per_wf(x: F64) -> F64:
+        return np.bincount(req_wf, weights=x, minlength=n_wf).astype(np.float64)
+
+    sum_span, sum_span_sq, sum_u_all, sum_u_sum = (
+        per_wf(span), per_wf(span * span), per_wf(u_all), per_wf(u_sum))
+    models = _models(got, seg, wf_of_pair, n_req)
+    bimodal = _bimodality(got, seg, wf_of_pair, n_req)
     out: dict[str, WorkflowStats] = {}
-    for wf, n_req, span, span_sq, u_all, u_sum, tool in flows:
-        n_arr = int(arrivals.get(wf, n_req))
-        rate_den = span_us.get(wf, 0.0) if lo is None or hi is None else float(hi - lo)
-        rate_num = n_arr - 1 if lo is None or hi is None else n_arr
+    lo = window.t_from_us
+    for w, wf in enumerate(got.workflows):
+        n = int(n_req[w])
+        if n == 0:
+            if got.unidentified[w]:  # every call lacked a request id: still show its count
+                out[wf] = WorkflowStats(
+                    workflow=wf, requests=0, arrivals=0, arrival_rate=0.0, window_s=0.0,
+                    unidentified_calls=int(got.unidentified[w]), latency_mean=math.nan,
+                    latency_cv=math.nan, critical_path_mean=math.nan, stage_sum_mean=math.nan,
+                    overlap_factor=1.0, tool_time_mean=math.nan, models={}, bimodal=None,
+                )
+            continue
+        n_arr = int(got.arrivals[w])
+        if lo is None or hi is None:  # the rate is (arrivals - 1) over first-to-last arrival
+            t0 = got.req_t0[req_wf == w]
+            rate_den, rate_num = float(t0.max() - t0.min()), n_arr - 1
+        else:
+            rate_den, rate_num = float(hi - lo), n_arr
+        span_mean, u_all_mean, u_sum_mean = sum_span[w] / n, sum_u_all[w] / n, sum_u_sum[w] / n
         out[wf] = WorkflowStats(
             workflow=wf,
-            requests=int(n_req),
+            requests=n,
             arrivals=n_arr,
             arrival_rate=rate_num / (rate_den / US) if rate_den > 0 else 0.0,
             window_s=rate_den / US,
-            unidentified_calls=int(unidentified.pop(wf, 0)),
-            latency_mean=float(span) / US,
-            latency_cv=_cv(float(span), float(span_sq)),
-            critical_path_mean=float(u_all) / US,
-            stage_sum_mean=float(u_sum) / US,
-            overlap_factor=float(u_all) / float(u_sum) if u_sum else 1.0,
-            tool_time_mean=float(tool) / US,
-            models=dict(sorted(models.get(wf, {}).items())),
-            bimodal=bimodal.get(wf),
-        )
-    # A workflow whose every call lacked a request id still shows up, with its count.
-    for wf, count in unidentified.items():
-        out[wf] = WorkflowStats(
-            workflow=wf, requests=0, arrivals=0, arrival_rate=0.0, window_s=0.0,
-            unidentified_calls=int(count), latency_mean=math.nan, latency_cv=math.nan,
-            critical_path_mean=math.nan, stage_sum_mean=math.nan, overlap_factor=1.0,
-            tool_time_mean=math.nan, models={}, bimodal=None,
+            unidentified_calls=int(got.unidentified[w]),
+            latency_mean=float(span_mean) / US,
+            latency_cv=_cv(float(span_mean), float(sum_span_sq[w] / n)),
+            critical_path_mean=float(u_all_mean) / US,
+            stage_sum_mean=float(u_sum_mean) / US,
+            overlap_factor=float(u_all_mean / u_sum_mean) if u_sum_mean else 1.0,
+            tool_time_mean=float(span_mean - u_all_mean) / US,
+            models=dict(sorted(models.get(w, {}).items())),
+            bimodal=bimodal.get(w),
         )
     return dict(sorted(out.items()))
 
 
-def _window_span_us(
-    con: duckdb.DuckDBPyConnection, r: str, window: Window, lo: int | None, hi: int | None
-) -> dict[str, float]:
-    """Without explicit bounds, the rate is (arrivals - 1) over first-to-last arrival."""
-    if lo is not None and hi is not None:
-        return {}
-    rows = con.execute(f"SELECT workflow, max(t0) - min(t0) FROM {r} GROUP BY ALL").fetchall()
-    return {wf: float(span) for wf, span in rows}
+def _shares(got: Scan, seg: Segments) -> F64:
+    """Each segment's share of its request's summed LLM time (``nan`` where that is 0)."""
+    total = got.req_dur[seg.request].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total != 0, seg.dur / total, np.nan)
+
+
+def _models(
+    got: Scan, seg: Segments, wf_of_pair: npt.NDArray[np.int64], n_req: npt.NDArray[np.int64]
+) -> dict[int, dict[str, ModelStats]]:
+    n_pairs = len(got.pairs)
+    share = _shares(got, seg)
+    known = ~np.isnan(share)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p_seg = np.where(seg.union != 0, seg.dur / seg.union, np.nan)
+    p_known = ~np.isnan(p_seg)
+
+    def per_pair(x: npt.ArrayLike | None = None, mask: npt.NDArray[np.bool_] | None = None) -> F64:
+        keys = seg.pair if mask is None else seg.pair[mask]
+        weights = None if x is None else np.asarray(x)[mask] if mask is not None else x
+        return np.bincount(keys, weights=weights, minlength=n_pairs).astype(np.float64)
+
+    calls, req_calling, dur, union = (
+        per_pair(seg.calls), per_pair(), per_pair(seg.dur), per_pair(seg.union))
+    p_sum, p_n = per_pair(p_seg, p_known), per_pair(None, p_known)
+    share_sum, share_sq = per_pair(share, known), per_pair(share * share, known)
+    out: dict[int, dict[str, ModelStats]] = {}
+    for pair in np.flatnonzero(req_calling):
+        w, model = got.pairs[pair]
+        n = int(n_req[w])
+        share_mean = float(share_sum[pair]) / n
+        out.setdefault(w, {})[model] = ModelStats(
+            model=model,
+            calls=int(calls[pair]),
+            requests_calling=int(req_calling[pair]),
+            n=float(calls[pair]) / n,
+            p=float(p_sum[pair] / p_n[pair]) if p_n[pair] else math.nan,
+            p_agg=float(dur[pair] / union[pair]) if union[pair] else math.nan,
+            latency_mean=float(dur[pair]) / float(calls[pair]) / US,
+            busy_mean=float(union[pair]) / n / US,
+            share_mean=share_mean,
+            share_cv=_cv(share_mean, float(share_sq[pair]) / n),
+            prompt_tokens=_tokens(got.prompt, int(pair)),
+            completion_tokens=_tokens(got.completion, int(pair)),
+        )
+    return out
+
+
+def _tokens(hist: Histogram, pair: int) -> TokenStats:
+    lo, hi = np.searchsorted(hist.pair, [pair, pair + 1])
+    values, counts = hist.value[lo:hi], hist.count[lo:hi]
+    return TokenStats(
+        mean=mean_of(values, counts),
+        p50=quantile_cont(values, counts, 0.5),
+        p90=quantile_cont(values, counts, 0.9),
+    )
 
 
 def _bimodality(
-    con: duckdb.DuckDBPyConnection, r: str, rm: str, counts: Mapping[str, int]
-) -> dict[str, Bimodality]:
+    got: Scan, seg: Segments, wf_of_pair: npt.NDArray[np.int64], n_req: npt.NDArray[np.int64]
+) -> dict[int, Bimodality]:
     """Per workflow, the model whose per-request share splits most cleanly in two, if any."""
-    got = con.execute(f"""
-        SELECT rm.workflow, rm.model, list(rm.dur / nullif(r.dur, 0)) AS shares
-        FROM {rm} rm JOIN {r} r USING (rk)
-        WHERE rm.workflow IN (SELECT workflow FROM {rm} GROUP BY ALL HAVING count(DISTINCT model) > 1)
-        GROUP BY ALL
-    """).fetchall()
-    best: dict[str, Bimodality] = {}
-    for wf, model, shares in got:
-        values = np.zeros(counts[wf])  # requests that never call the model have share 0
-        known = np.asarray([s for s in shares if s is not None], dtype=np.float64)
+    share = _shares(got, seg)
+    present = np.unique(seg.pair)
+    models_in = np.bincount(wf_of_pair[present], minlength=len(got.workflows))
+    best: dict[int, Bimodality] = {}
+    bounds: npt.NDArray[np.int64] = np.searchsorted(seg.pair, np.r_[present, len(got.pairs)])
+    for i, pair in enumerate(present):
+        w, model = got.pairs[int(pair)]
+        if models_in[w] < 2:
+            continue
+        values = np.zeros(int(n_req[w]))  # requests that never call the model have share 0
+        mine = share[bounds[i]:bounds[i + 1]]
+        known = mine[~np.isnan(mine)]
         values[: known.size] = known
         split = bimodal_split(values)
-        if split is not None and (wf not in best or split.eta > best[wf].split.eta):
-            best[wf] = Bimodality(model=model, split=split)
+        if split is not None and (w not in best or split.eta > best[w].split.eta):
+            best[w] = Bimodality(model=model, split=split)
     return best
 
 
