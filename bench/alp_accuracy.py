@@ -15,6 +15,13 @@ Per workflow (beam search, RAG, a fan-out across two different LLMs):
    ``optimizer.alp``, simulate the same rates, and find the simulated maximum throughput as
    the largest rate the allocation keeps up with (bracketed from ``T_w``, then bisected).
 
+Measurement precision: a mean latency near capacity converges slowly (at 80% load one
+RAG replica's 300-request means spread 4-7 s around a 5.9 s steady state), so each latency
+run grows (same seed, same first arrivals) until the batch-means standard error of its mean
+is below ``LATENCY_SE`` (or a cap); the JSON carries each figure's standard error. Keeping up
+is judged on the trend of requests in the system over the window (a least-squares slope),
+not on two end points, whose in-flight counts swing by several percent of a beam window.
+
 Errors are relative to the simulation. Summary per workflow: ``throughput_error_max`` and
 ``latency_error_max`` (latency over points at <= 80% of predicted capacity). Targets: 10% and
 15%. Simulations run in a process pool (one worker per CPU).
@@ -23,6 +30,7 @@ Errors are relative to the simulation. Summary per workflow: ``throughput_error_
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import tempfile
@@ -33,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from bench.sim_profile import (
@@ -41,15 +50,14 @@ from bench.sim_profile import (
     ProfileJob,
     bracket,
     calls_to_rows,
-    keeps_up,
     run_profile,
 )
 from optimizer.alp import ModelAlloc, Pipeline, predict
-from optimizer.profiles import ProfileBook
+from optimizer.profiles import FOLLOW_TOLERANCE, ProfileBook
 from optimizer.stats import WorkflowStats, summarise_store
 from shared.store import SegmentWriter
 from sim.cluster import Allocation, ReplicaSpec
-from sim.des import WorkloadSpec, simulate
+from sim.des import RequestSpan, WorkloadSpec, simulate, simulate_requests
 from sim.workflows import BeamParams, FanoutParams, RagParams
 
 GPU = "a6000"
@@ -61,6 +69,12 @@ LATENCY_LOAD_MAX = 0.8
 # window, and a prefix-sharing workflow's throughput sinks in sustained overload as its
 # prefix cache thrashes (hit rate 0.78 -> 0.53 for beam's verifier).
 CAP_STEP, CAP_PRECISION, CAP_PRECISION_QUICK = 1.1, 0.03, 0.06
+# Latency runs grow until the standard error of the mean is below this (relative), at most
+# LATENCY_GROWTH_CAP times the case's eval_requests.
+LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 16
+# Workflow requests per profile point at least: keeping up is judged per request too, and a
+# beam request makes ~40 calls of each model.
+PROFILE_REQUESTS = 300
 QUICK_ALLOCATIONS = 3
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
 
@@ -76,7 +90,7 @@ def _cases() -> list[Case]:
     # Fractional replicas come in pairs that fill a GPU (as a search that packs fractions
     # would deploy them); the quick run takes the first QUICK_ALLOCATIONS of each list.
     return [
-        Case("beam", BeamParams(), GPU, trace_rate=0.05, trace_requests=150, eval_requests=80,
+        Case("beam", BeamParams(), GPU, trace_rate=0.05, trace_requests=150, eval_requests=200,
              profile_calls=3000, capacity_requests=400,
              allocations=[
                  {BEAM[0]: (1, 1, 1.0), BEAM[1]: (1, 1, 1.0)},
@@ -131,6 +145,7 @@ class EvalJob:
     seed: int
     settle_s: float  # a few light-load request latencies: the pipeline's fill time
     precision: float = CAP_PRECISION
+    latency_se: float = LATENCY_SE
 
 
 def _sim_allocation(case: Case, alloc: Alloc) -> Allocation:
@@ -163,23 +178,62 @@ def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
                    "calls_per_busy_s": per_busy_s}
 
 
+def backlog_growth(spans: Sequence[RequestSpan], t0: float, t1: float) -> float:
+    """Growth of the requests in the system over ``[t0, t1)`` per request that arrived in it:
+    the least-squares slope of the in-system count over the arrival rate. ~0 when the system
+    keeps up; ``1 - throughput/rate`` in sustained overload."""
+    arrivals = np.array([s.arrival for s in spans])
+    ends = np.array([s.end if s.end >= 0 else np.inf for s in spans])
+    arrived = int(((arrivals >= t0) & (arrivals < t1)).sum())
+    if arrived == 0 or t1 <= t0:
+        return 0.0
+    ts = np.linspace(t0, t1, 256)
+    inside = (arrivals[None, :] <= ts[:, None]) & (ends[None, :] > ts[:, None])
+    slope = float(np.polyfit(ts, inside.sum(axis=1).astype(np.float64), 1)[0])
+    return slope / (arrived / (t1 - t0))
+
+
 def _keeps_up(job: EvalJob, rate: float) -> tuple[bool, float]:
     """One long run at ``rate``: did the workflow keep up, and its completions per second."""
     case = job.case
     spec = [WorkloadSpec(case.workflow, rate, case.params)]  # type: ignore[arg-type]
     requests = case.capacity_requests / rate
     warmup = max(job.settle_s, 0.25 * requests)
-    res = simulate(_sim_allocation(case, case.allocations[job.alloc_index]), spec,
-                   duration_s=warmup + requests, warmup_s=warmup, drain_s=0.0,
-                   seed=job.seed)  # the same arrivals, scaled, at every probed rate
+    res, spans = simulate_requests(
+        _sim_allocation(case, case.allocations[job.alloc_index]), spec,
+        duration_s=warmup + requests, warmup_s=warmup, drain_s=0.0,
+        seed=job.seed)  # the same arrivals, scaled, at every probed rate
     wf = res.workflows[case.workflow]
-    span = res.window_s[1] - res.window_s[0]
-    return keeps_up(wf.started / span, wf.throughput), wf.throughput
+    growth = backlog_growth(spans, *res.window_s)
+    return growth <= FOLLOW_TOLERANCE, wf.throughput
+
+
+def mean_and_se(values: Sequence[float], batches: int = 10) -> tuple[float, float]:
+    """Mean and its batch-means standard error (values in arrival order: batches of
+    consecutive requests absorb their correlation)."""
+    a = np.asarray(values, dtype=np.float64)
+    if len(a) < 2 * batches:
+        return float(a.mean()) if len(a) else math.nan, math.inf
+    means = np.array([b.mean() for b in np.array_split(a, batches)])
+    return float(a.mean()), float(means.std(ddof=1) / math.sqrt(batches))
+
+
+def _latency_run(job: EvalJob, n: int) -> tuple[float, float, int, int]:
+    """Mean latency, its standard error, completed and failed requests of ``n`` arrivals."""
+    case = job.case
+    spec = [WorkloadSpec(case.workflow, job.rate, case.params)]  # type: ignore[arg-type]
+    warmup = max(job.settle_s, 0.1 * n / job.rate)
+    res, spans = simulate_requests(_sim_allocation(case, case.allocations[job.alloc_index]),
+                                   spec, n_requests=n, warmup_s=warmup, seed=job.seed)
+    lo, hi = res.window_s
+    measured = [s for s in spans if lo <= s.arrival < hi]
+    lat = [s.end - s.arrival for s in measured if s.end >= 0 and not s.failed]
+    mean, se = mean_and_se(lat)
+    return mean, se, len(lat), len(measured) - len(lat)
 
 
 def _evaluate(job: EvalJob) -> dict[str, Any]:
     case = job.case
-    alloc = case.allocations[job.alloc_index]
     if job.kind == "capacity":
         probes: list[tuple[float, bool, float]] = []
 
@@ -192,13 +246,16 @@ def _evaluate(job: EvalJob) -> dict[str, Any]:
         lo, hi = bracket(probe, job.rate, CAP_STEP, job.precision)
         return {"capacity": lo, "overloaded_at": hi, "probes": probes,
                 "wall_s": time.perf_counter() - started}
-    spec = [WorkloadSpec(case.workflow, job.rate, case.params)]  # type: ignore[arg-type]
-    n = case.eval_requests
-    res = simulate(_sim_allocation(case, alloc), spec, n_requests=n,
-                   warmup_s=0.1 * n / job.rate, seed=job.seed)
-    wf = res.workflows[case.workflow]
-    return {"latency_mean": wf.latency.mean, "completed": wf.completed, "failed": wf.failed,
-            "wall_s": res.wall_s}
+    started = time.perf_counter()
+    n, cap = case.eval_requests, case.eval_requests * LATENCY_GROWTH_CAP
+    mean, se, done, failed = _latency_run(job, n)
+    while se > job.latency_se * mean and n < cap:
+        # the standard error shrinks as 1/sqrt(n): aim a little past the target
+        grow = (se / (job.latency_se * mean)) ** 2 if math.isfinite(se) else 4.0
+        n = min(cap, max(2 * n, math.ceil(n * 1.3 * grow)))
+        mean, se, done, failed = _latency_run(job, n)
+    return {"latency_mean": mean, "latency_se": se, "requests": n, "completed": done,
+            "failed": failed, "wall_s": time.perf_counter() - started}
 
 
 def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
@@ -209,7 +266,9 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
     return [ProfileJob(case, model, tp, share, n_per_request=stats.models[model].n,
                        target_calls=target, refine=(0.3, 0.6, 0.8) if quick else REFINE,
                        precision=0.08 if quick else 0.04,
-                       start_rate=0.5 * share * trace["calls_per_busy_s"][model])
+                       start_rate=0.5 * share * trace["calls_per_busy_s"][model],
+                       min_requests=PROFILE_REQUESTS // 2 if quick else PROFILE_REQUESTS,
+                       latency_se=LATENCY_SE_QUICK if quick else LATENCY_SE)
             for model, tp, share in keys]
 
 
@@ -232,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = _cases()
     fractions = (0.3, 0.6, 0.8) if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
     precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
+    latency_se = LATENCY_SE_QUICK if args.quick else LATENCY_SE
     if args.quick:
         cases = [replace(c, trace_requests=c.trace_requests // 2,
                          eval_requests=c.eval_requests // 2,
@@ -269,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         precision=precision))
                 for k, f in enumerate(fractions):
                     evals.append(EvalJob(case, i, f, "latency", f * cap.throughput,
-                                         seed=101 + 10 * i + k, settle_s=settle_s))
+                                         seed=101 + 10 * i + k, settle_s=settle_s,
+                                         latency_se=latency_se))
         simulated = list(pool.map(_evaluate, evals, chunksize=1))
         phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
     report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
@@ -295,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             points.append({"allocation": _alloc_doc(allocation), "kind": "mean_latency",
                            "load": ev.fraction, "rate": ev.rate, "predicted": pred.latency,
                            "simulated": sim["latency_mean"], "error": err,
+                           "simulated_se": sim["latency_se"], "requests": sim["requests"],
                            "predicted_without_pooling": paper.latency,
                            "bottleneck": pred.bottleneck, "completed": sim["completed"],
                            "failed": sim["failed"],

@@ -7,7 +7,11 @@ model on one replica (a fractional share: on as many co-located replicas as fill
 real call mix, fan-out and prefix sharing. The rate is doubled from light load until the
 replica stops keeping up (``keeps_up``: saturation found, not configured), the bracket is
 bisected, then points at fixed fractions of the saturation estimate are added for the latency
-curve. ``bracket`` is shared with the accuracy bench, which finds a whole allocation's maximum
+curve. Keeping up is judged at the call level *and* the workflow level: a workflow whose calls
+depend on earlier calls (beam search: ~40 calls of each model per request, only 4 at a time)
+stops sending when the replica falls behind, so its submitted calls track its completed ones
+deep into overload; the requests it fails to complete show the backlog (as
+``optimizer.profiler`` checks the nominal rate for the same reason). ``bracket`` is shared with the accuracy bench, which finds a whole allocation's maximum
 throughput the same way. Every figure here is *simulated*.
 """
 
@@ -59,6 +63,10 @@ class ProfileJob:
     refine: tuple[float, ...] = REFINE
     precision: float = 0.04  # bisect the saturation bracket down to this relative width
     max_doublings: int = 12
+    min_requests: int = 0  # workflow requests each point's window holds at least
+    # refining points run longer (up to 8x) until their mean latency's batch-means standard
+    # error is below this fraction of it; 0: one run each
+    latency_se: float = 0.0
 
 
 def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:
@@ -121,7 +129,8 @@ def bracket(probe: Callable[[float], bool], start: float, factor: float, precisi
     return lo, hi
 
 
-def _point(job: ProfileJob, call_rate: float, seed: int) -> ProfilePoint:
+def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
+           ) -> tuple[ProfilePoint, float]:
     """One rate: ``colocated(share)`` replicas on one GPU, each offered ``call_rate``, behind
     the simulator's default router (as an allocation's replicas are: prefix locality is lost
     the same way; the queueing is pooled over the co-located copies, which the pipeline's
@@ -131,32 +140,40 @@ def _point(job: ProfileJob, call_rate: float, seed: int) -> ProfilePoint:
     specs = [ReplicaSpec(job.model, case.gpu, job.tp, job.share, k)]
     specs += [ReplicaSpec(m, case.gpu, 1, 1.0, OVERPROVISION)
               for m in models_of(case.params) if m != job.model]
-    duration = job.target_calls / call_rate
+    wf_rate = k * call_rate / job.n_per_request
+    duration = scale * max(job.target_calls / call_rate, job.min_requests / wf_rate)
     warmup = 0.2 * duration
     res = simulate(Allocation(tuple(specs)),
-                   [WorkloadSpec(case.workflow, k * call_rate / job.n_per_request,  # type: ignore[arg-type]
-                                 case.params)],
+                   [WorkloadSpec(case.workflow, wf_rate, case.params)],  # type: ignore[arg-type]
                    duration_s=duration, warmup_s=warmup, drain_s=0.5 * duration,
                    record_calls=True, seed=seed)
     end = res.window_s[1]
     span = k * max(end - warmup, 1e-9)
     mine = [c for c in res.calls if c.call.model == job.model]
-    started = [c for c in mine if warmup <= c.t_start < end]
+    started = sorted((c for c in mine if warmup <= c.t_start < end), key=lambda c: c.t_start)
     finished = sum(1 for c in mine if warmup <= c.t_end <= end)
     lat = np.array([c.t_end - c.t_start for c in started]) if started else np.array([np.inf])
     ttft = [c.t_first - c.t_start for c in started if c.t_first >= 0]
     p50, p90, p99 = np.percentile(lat, [50, 90, 99])
-    return ProfilePoint(
+    wf = res.workflows[case.workflow]
+    completed = wf.throughput * (end - warmup)
+    # requests that arrived in the window per request completed in it: ~1 when keeping up
+    backlog = max(1.0, wf.started / max(completed, 1.0))
+    point = ProfilePoint(
         model=job.model, engine=ENGINE, gpu_type=case.gpu, tp=job.tp, share=job.share,
         # offered: the calls the workflow actually submitted in the window (bursty workflows
-        # stray far from the nominal rate over a short run); under overload the queue grows,
-        # so completions fall behind submissions.
-        offered_rate=len(started) / span,
+        # stray far from the nominal rate over a short run), scaled up by the requests it
+        # could not complete: the calls a dependency-bound workflow would have sent had the
+        # replica kept up. Under overload, completions fall behind this.
+        offered_rate=len(started) / span * backlog,
         throughput=finished / span,
         lat_mean=float(lat.mean()), lat_p50=float(p50), lat_p90=float(p90),
         lat_p99=float(p99), ttft_mean=float(np.mean(ttft)) if ttft else 0.0,
         n_calls=len(started),
     )
+    se = float(np.std([b.mean() for b in np.array_split(lat, 10)], ddof=1) / math.sqrt(10)
+               ) if len(lat) >= 20 else math.inf
+    return point, se / max(point.lat_mean, 1e-12)
 
 
 def run_profile(job: ProfileJob) -> list[ProfilePoint]:
@@ -165,7 +182,7 @@ def run_profile(job: ProfileJob) -> list[ProfilePoint]:
     points: list[ProfilePoint] = []
 
     def probe(rate: float) -> bool:
-        p = _point(job, rate, seed=1000 + len(points))
+        p, _ = _point(job, rate, seed=1000 + len(points))
         points.append(p)
         return keeps_up(p.offered_rate, p.throughput)
 
@@ -176,5 +193,10 @@ def run_profile(job: ProfileJob) -> list[ProfilePoint]:
         target = frac * saturation
         if any(abs(p.offered_rate - target) < 0.05 * target for p in points):
             continue
-        points.append(_point(job, target, seed=2000 + k))
+        scale = 1.0
+        point, rel_se = _point(job, target, seed=2000 + k)
+        while job.latency_se > 0 and rel_se > job.latency_se and scale < 8:
+            scale = min(8.0, max(2 * scale, scale * 1.3 * (rel_se / job.latency_se) ** 2))
+            point, rel_se = _point(job, target, seed=2000 + k, scale=scale)
+        points.append(point)
     return sorted(points, key=lambda p: p.offered_rate)
