@@ -13,7 +13,8 @@ from sim.des import RequestSpan
 def _spans(rate: float, service: float, horizon: float, seed: int) -> list[RequestSpan]:
     """Poisson arrivals into one FIFO server with exponential service times."""
     rng = np.random.default_rng(seed)
-    t, free, out = 0.0, 0.0, []
+    t, free = 0.0, 0.0
+    out: list[RequestSpan] = []
     while True:
         t += rng.exponential(1.0 / rate)
         if t >= horizon:
