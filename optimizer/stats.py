@@ -41,6 +41,7 @@ from optimizer.modality import Split, bimodal_split
 from optimizer.stats_scan import Bounds, Histogram, Scan, scan
 from optimizer.stats_union import (
     Segments,
+    by_start,
     mean_of,
     quantile_cont,
     request_starts,
@@ -139,10 +140,13 @@ def summarise(
 def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowStats]:
     n_wf = len(got.workflows)
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
-    starts = request_starts(got.call_a, got.req_off)
-    u_all = request_unions(got.call_a, got.call_b, starts).astype(np.float64)
-    seg = segments(got.call_pair, got.call_a, got.call_b, starts)
+    pair, a, b = by_start(got.call_pair, got.call_a, got.call_b)
+    starts = request_starts(a, got.req_off)
+    u_all = request_unions(a, b, starts).astype(np.float64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
+    of_wf = [np.flatnonzero(req_wf == w) for w in range(n_wf)]
+    seg = segments(pair, a, b, got.req_off,
+                   [of_wf[w] for w, _ in got.pairs])
     n_req = np.bincount(req_wf, minlength=n_wf)
     span = (got.req_t1 - got.req_t0).astype(np.float64)
     u_sum = np.bincount(seg.request, weights=seg.union, minlength=starts.size).astype(np.float64)
@@ -259,7 +263,7 @@ def _bimodality(
     present = np.unique(seg.pair)
     models_in = np.bincount(wf_of_pair[present], minlength=len(got.workflows))
     best: dict[int, Bimodality] = {}
-    bounds: npt.NDArray[np.int64] = np.searchsorted(seg.pair, np.r_[present, len(got.pairs)])
+    bounds = np.asarray(np.searchsorted(seg.pair, np.r_[present, len(got.pairs)]), np.int64)
     for i, pair in enumerate(present):
         w, model = got.pairs[int(pair)]
         if models_in[w] < 2:

@@ -18,6 +18,7 @@ caller divides); inputs are not modified; every request index passed in has at l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,12 @@ def covered(a: I64, b: I64) -> I64:
     return out
 
 
+def by_start(pair: I32, a: I64, b: I64) -> tuple[I32, I64, I64]:
+    """The calls sorted by shifted start (hence by request, then start)."""
+    order = np.argsort(a)
+    return pair[order], a[order], b[order]
+
+
 def request_starts(a: I64, offsets: I64) -> I64:
     """Index of each request's first call: requests own ``[offset_i, offset_{i+1})``."""
     return np.searchsorted(a, offsets, side="left").astype(np.int64)
@@ -63,35 +70,55 @@ def request_unions(a: I64, b: I64, starts: I64) -> I64:
     return np.add.reduceat(covered(a, b), starts) if starts.size else np.zeros(0, np.int64)
 
 
-def segments(pair: I32, a: I64, b: I64, starts: I64) -> Segments:
-    """Per (request, pair): calls, summed durations, union length."""
+def segments(pair: I32, a: I64, b: I64, offsets: I64, groups: Sequence[I64]) -> Segments:
+    """Per (request, pair): calls, summed durations, union length.
+
+    ``groups[pair]`` lists the requests (indices into ``offsets``, ascending) that may call
+    ``pair`` (those of its workflow); every call of ``pair`` belongs to one of them.
+    """
     n = a.size
-    counts = np.diff(starts, append=n)
-    request = np.repeat(np.arange(starts.size, dtype=np.int32), counts)
     # A stable sort by pair keeps each pair's calls in request-then-start order; on codes
     # that fit 16 bits numpy's stable sort is a radix sort (linear).
     keys = pair.astype(np.uint16) if n and int(pair.max()) < 1 << 16 else pair
     order = np.argsort(keys, kind="stable")
-    pair_s, request_s, a_s, b_s = pair[order], request[order], a[order], b[order]
-    del order, request
-    cover = np.empty_like(b_s)
-    bounds = np.flatnonzero(np.diff(pair_s)) + 1
-    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, n], strict=True):
-        cover[lo:hi] = covered(a_s[lo:hi], b_s[lo:hi])  # restart at each pair
-    new = np.empty(n, dtype=bool)
-    if n:
-        new[0] = True
-        np.not_equal(request_s[1:], request_s[:-1], out=new[1:])
-        new[bounds] = True
+    ends = np.cumsum(np.bincount(pair, minlength=len(groups)))
+    parts: list[tuple[I32, I32, I64, I64, I64]] = []
+    for p, hi in enumerate(ends):
+        lo = int(ends[p - 1]) if p else 0
+        if hi == lo:
+            continue
+        take = order[lo:hi]
+        a_p, b_p = a[take], b[take]
+        cover = covered(a_p, b_p)
+        np.subtract(b_p, a_p, out=b_p)  # durations
+        request, first = _split(a_p, offsets, groups[p])
+        parts.append((
+            np.full(first.size, p, dtype=np.int32), request,
+            np.diff(first, append=a_p.size),
+            np.add.reduceat(b_p, first), np.add.reduceat(cover, first),
+        ))
+    if not parts:
+        empty = np.zeros(0, np.int64)
+        return Segments(np.zeros(0, np.int32), np.zeros(0, np.int32), empty, empty, empty)
+    cols = list(zip(*parts, strict=True))
+    return Segments(*(np.concatenate(c) for c in cols))
+
+
+def _split(a: I64, offsets: I64, candidates: I64) -> tuple[I32, I64]:
+    """For calls sorted by ``a``, the request of each run of calls and the run's first index;
+    ``candidates`` are the requests those calls can belong to. Searches whichever side is
+    shorter, so the cost stays O(min(calls, requests) · log)."""
+    if candidates.size <= a.size:
+        first = np.searchsorted(a, offsets[candidates], side="left")
+        end = np.append(first[1:], a.size)
+        keep = end > first
+        return candidates[keep].astype(np.int32), first[keep].astype(np.int64)
+    owner = np.searchsorted(offsets[candidates], a, side="right") - 1
+    new = np.empty(a.size, dtype=bool)
+    new[0] = True
+    np.not_equal(owner[1:], owner[:-1], out=new[1:])
     first = np.flatnonzero(new)
-    np.subtract(b_s, a_s, out=b_s)  # b_s now holds durations
-    return Segments(
-        pair=pair_s[first],
-        request=request_s[first],
-        calls=np.diff(first, append=n),
-        dur=np.add.reduceat(b_s, first) if n else np.zeros(0, np.int64),
-        union=np.add.reduceat(cover, first) if n else np.zeros(0, np.int64),
-    )
+    return candidates[owner[first]].astype(np.int32), first.astype(np.int64)
 
 
 def quantile_cont(values: I64, counts: I64, q: float) -> float:
