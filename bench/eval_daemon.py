@@ -112,10 +112,13 @@ class Daemon:
     def tick(self, sim: DynamicSimulation) -> None:
         self._record(sim)
         cfg, now = self.cfg, sim.now
-        window = Window(DEFAULT_T0_US + round((now - cfg.window_s) * 1e6),
+        # The trace starts with the run (t = 0): a window reaching before it would read the
+        # rates low (arrivals over the whole window length), so it starts there.
+        start = max(0.0, now - cfg.window_s)
+        window = Window(DEFAULT_T0_US + round(start * 1e6),
                         DEFAULT_T0_US + round(now * 1e6), round(cfg.settle_s * 1e6))
         stats = summarise_store(self.store, window)
-        snap = snapshot_from_stats(now, cfg.window_s, stats)
+        snap = snapshot_from_stats(now, now - start, stats)
         rates = {w: o.rate for w, o in snap.workflows.items() if w in self.k.pipelines}
         det = detect(self.state, snap, cfg, self._predict(self.running, rates))
         if not det.act:

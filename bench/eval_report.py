@@ -189,6 +189,7 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
                   "simulator ran them anyway, packing first-fit): "
                   + "; ".join(f"{w} {g} GPUs {s} ({n} rates)"
                               for (w, g, s), n in sorted(unplaced.items())) + ".", ""]
+    lines += alp_check(points)
     lines += ["## Where Scepsy is not at or above a baseline", ""]
     if not shortfalls:
         lines.append("Nowhere: at every cluster size Scepsy's peak is at or above every "
@@ -210,6 +211,33 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
     if dynamic is not None:
         lines += dynamic_markdown(dynamic)
     return "\n".join(lines) + "\n"
+
+
+def alp_check(points: Sequence[Point]) -> list[str]:
+    """Scepsy's own points: the capacity the ALP predicted for the allocation chosen at each
+    rate against whether the simulator sustained the rate (over: predicted to cover it, not
+    sustained; under: predicted short of it, sustained)."""
+    lines = ["## The ALP against the simulator on Scepsy's allocations", "",
+             "Per Scepsy point: offered rate, the ALP's predicted capacity of the allocation "
+             "chosen for it, and whether the simulator sustained the rate. `over`: the ALP "
+             "promised the rate and the simulator did not sustain it; `under`: the ALP "
+             "predicted less than the rate and the simulator sustained it.", ""]
+    for (wf, gpus, system), pts in sorted(_group(points).items()):
+        if system != "scepsy":
+            continue
+        swept = "rag" if wf == "combined" else wf
+        cells = []
+        for p in pts:
+            cap = ((p.get("predicted") or {}).get(swept) or {}).get("throughput")
+            if cap is None:
+                continue
+            tag = ("over" if cap >= p["rate"] and not p["sustained"] else
+                   "under" if cap < p["rate"] and p["sustained"] else "ok")
+            cells.append(f"{_fmt(p['rate'])}: {_fmt(cap)} "
+                         f"{'sustained' if p['sustained'] else 'not sustained'} ({tag})")
+        if cells:
+            lines.append(f"- {wf}, {gpus} GPUs: " + "; ".join(cells) + ".")
+    return [*lines, ""]
 
 
 def dynamic_markdown(d: dict[str, Any]) -> list[str]:
