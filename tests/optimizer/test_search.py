@@ -32,7 +32,13 @@ from optimizer.search import (
     search_async,
 )
 from optimizer.search_reference import solve, solve_split
-from optimizer.search_space import SearchError, powers_of_two_upto
+from optimizer.search_space import (
+    LineLayout,
+    SearchError,
+    line_layout,
+    powers_of_two_upto,
+    run_configs,
+)
 from shared.cluster import Cluster
 
 INSTANCES = 60
@@ -223,3 +229,38 @@ async def test_search_async_runs_off_the_loop() -> None:
     problem = scaled_problem(2, 4, 10, seed=0)
     got = await search_async(problem)
     assert got.workflows[0].allocation == search(problem).workflows[0].allocation
+
+
+def _configs_of(layout: LineLayout, position: int, units: int) -> set[tuple[int, int, float]]:
+    rc = run_configs(layout, [position], [units])
+    out = [(int(t), int(d), round(float(s), 6)) for t, d, s in
+           zip(rc.tp, rc.replicas, rc.share, strict=True)]
+    assert len(out) == len(set(out))  # each configuration listed once
+    return set(out)
+
+
+def test_configurations_fit_inside_the_pieces_of_their_run() -> None:
+    # nodes of 4 GPUs, NVLink pairs: the line repeats every 2 GPUs
+    layout = line_layout(Cluster.uniform(2, 4, 2, "a6000", GPU_MEMORY), 10)
+    assert (layout.period, layout.cycle) == (2, 20)
+    # 6 units from unit 7: 3 on GPU 0 and 3 on GPU 1 (one NVLink pair)
+    got = _configs_of(layout, 7, 6)
+    assert (2, 1, 0.3) in got and (1, 2, 0.3) in got  # a TP pair or two replicas, 0.3 each
+    assert (1, 2, 0.2) in got and (1, 6, 0.1) in got  # several replicas per piece
+    assert all(d * t * s <= 0.6 + 1e-9 for t, d, s in got)
+    assert not any(s > 0.3 + 1e-9 for t, d, s in got if d * t > 1)
+    # the same run from GPU 1: GPUs 1 and 2 are in different NVLink pairs, so no TP 2
+    assert all(t == 1 for t, _, _ in _configs_of(layout, 17, 6))
+    # 13 units from unit 0: a whole GPU and 3 units of the next; no replica spans both at 0.65
+    uneven = _configs_of(layout, 0, 13)
+    assert (1, 2, 0.3) in uneven and (1, 1, 1.0) in uneven
+    assert not any(abs(s - 0.65) < 1e-9 for _, _, s in uneven)
+
+
+def test_the_search_layout_places_every_demand_in_order() -> None:
+    problem = scaled_problem(3, 4, 10, seed=2)
+    out = search_and_place(problem)
+    placement = line_placement(problem, out.result)
+    check_placement(problem.cluster, placement)
+    assert [r.demand for r in placement.replicas] == replica_demands(
+        out.result, problem.memory_floor_bytes)
