@@ -12,10 +12,13 @@ when calls to different LLMs run at once, so their stage latencies must not simp
 and the gaps inside a request's span that no call covers give the non-LLM ``tool_time``. A
 workflow whose requests split into two populations by share is flagged (``bimodal``).
 
+Data flow: :mod:`optimizer.stats_scan` reads the store once in DuckDB (scan, retry
+de-duplication, per-request grouping, one single-key sort) and hands back compact arrays;
+:mod:`optimizer.stats_union` computes interval unions in linear numpy passes; this module turns
+those into per-workflow and per-model figures (vectorised over requests and (request, model)
+segments; Python loops only over workflows and models).
+
 Invariants:
-- all heavy aggregation runs in DuckDB SQL (10 M calls in well under two seconds); Python only
-  touches per-workflow and per-(workflow, model) rows, plus a per-request share vector for the
-  bimodality test;
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
   ``attempt``;
 - calls without a request id are counted (``unidentified_calls``) and excluded from every
@@ -23,7 +26,8 @@ Invariants:
 - a request arrives at its first call's start and counts only if that start lies in the window;
   it is *completed* when its last call ended by ``t_to - settle``; only completed requests feed
   per-request figures;
-- times in the output are seconds; nothing here opens files (see :func:`summarise_store`).
+- times in the output are seconds; nothing here opens files (see :func:`summarise_store`);
+- a null ``model`` is reported under the name ``""``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from optimizer.modality import Split, bimodal_split
 from optimizer.stats_scan import Bounds, Histogram, Scan, scan
 from optimizer.stats_union import (
     Segments,
-    by_start,
     mean_of,
     quantile_cont,
     request_starts,
@@ -124,10 +127,6 @@ def _cv(mean: float, mean_sq: float) -> float:
     return math.sqrt(max(mean_sq - mean * mean, 0.0)) / mean
 
 
-def _num(value: object) -> float:
-    return float("nan") if value is None else float(value)  # type: ignore[arg-type]
-
-
 def summarise(
     con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, window: Window = Window()
 ) -> dict[str, WorkflowStats]:
@@ -140,7 +139,7 @@ def summarise(
 def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowStats]:
     n_wf = len(got.workflows)
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
-    pair, a, b = by_start(got.call_pair, got.call_a, got.call_b)
+    pair, a, b = got.call_pair, got.call_a, got.call_b
     starts = request_starts(a, got.req_off)
     u_all = request_unions(a, b, starts).astype(np.float64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)

@@ -72,7 +72,7 @@ class Scan:
     req_t1: I64
     req_dur: I64  # Σ call durations
     req_off: I64  # start of its range in the shifted layout
-    # calls of completed requests (with an end), in no particular order
+    # calls of completed requests (with an end), sorted by a
     call_pair: I32
     call_a: I64
     call_b: I64
@@ -170,7 +170,7 @@ def _scan(
     req = con.execute(f"SELECT pair, t0, t1, dur, off FROM {q} ORDER BY off").fetchnumpy()
     got = con.execute(f"""
         SELECT c.pair, c.t_start + (q.off - q.t0) AS a, c.t_end + (q.off - q.t0) AS b
-        FROM {c} c JOIN {q} q USING (rk) WHERE c.t_end IS NOT NULL
+        FROM {c} c JOIN {q} q USING (rk) WHERE c.t_end IS NOT NULL ORDER BY a
     """).fetchnumpy()
     unidentified = _per_workflow(con.execute(
         f"SELECT pair, count(*) FROM {c} WHERE rk IS NULL AND {in_window} GROUP BY pair"

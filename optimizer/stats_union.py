@@ -54,12 +54,6 @@ def covered(a: I64, b: I64) -> I64:
     return out
 
 
-def by_start(pair: I32, a: I64, b: I64) -> tuple[I32, I64, I64]:
-    """The calls sorted by shifted start (hence by request, then start)."""
-    order = np.argsort(a)
-    return pair[order], a[order], b[order]
-
-
 def request_starts(a: I64, offsets: I64) -> I64:
     """Index of each request's first call: requests own ``[offset_i, offset_{i+1})``."""
     return np.searchsorted(a, offsets, side="left").astype(np.int64)
