@@ -19,8 +19,9 @@ Measurement precision: a mean latency near capacity converges slowly (at 80% loa
 RAG replica's 300-request means spread 4-7 s around a 5.9 s steady state), so each latency
 run grows (same seed, same first arrivals) until the batch-means standard error of its mean
 is below ``LATENCY_SE`` (or a cap); the JSON carries each figure's standard error. Keeping up
-is judged on the trend of requests in the system over the window (a least-squares slope),
-not on two end points, whose in-flight counts swing by several percent of a beam window.
+is judged on the trend of requests in the system late in the window
+(``bench.sim_profile.backlog_growth``), not on two end points, whose in-flight counts swing
+by several percent of a beam window and still climb towards their plateau near capacity.
 
 Errors are relative to the simulation. Summary per workflow: ``throughput_error_max`` and
 ``latency_error_max`` (latency over points at <= 80% of predicted capacity). Targets: 10% and
@@ -48,6 +49,7 @@ from bench.sim_profile import (
     REFINE,
     Case,
     ProfileJob,
+    backlog_growth,
     bracket,
     calls_to_rows,
     run_profile,
@@ -57,7 +59,7 @@ from optimizer.profiles import FOLLOW_TOLERANCE, ProfileBook
 from optimizer.stats import WorkflowStats, summarise_store
 from shared.store import SegmentWriter
 from sim.cluster import Allocation, ReplicaSpec
-from sim.des import RequestSpan, WorkloadSpec, simulate, simulate_requests
+from sim.des import WorkloadSpec, simulate, simulate_requests
 from sim.workflows import BeamParams, FanoutParams, RagParams
 
 GPU = "a6000"
@@ -69,9 +71,10 @@ LATENCY_LOAD_MAX = 0.8
 # window, and a prefix-sharing workflow's throughput sinks in sustained overload as its
 # prefix cache thrashes (hit rate 0.78 -> 0.53 for beam's verifier).
 CAP_STEP, CAP_PRECISION, CAP_PRECISION_QUICK = 1.1, 0.03, 0.06
+CAP_WARMUP = 0.4  # of the measured window, run before it
 # Latency runs grow until the standard error of the mean is below this (relative), at most
 # LATENCY_GROWTH_CAP times the case's eval_requests.
-LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 16
+LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
 # Workflow requests per profile point at least: keeping up is judged per request too, and a
 # beam request makes ~40 calls of each model.
 PROFILE_REQUESTS = 300
@@ -178,27 +181,13 @@ def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
                    "calls_per_busy_s": per_busy_s}
 
 
-def backlog_growth(spans: Sequence[RequestSpan], t0: float, t1: float) -> float:
-    """Growth of the requests in the system over ``[t0, t1)`` per request that arrived in it:
-    the least-squares slope of the in-system count over the arrival rate. ~0 when the system
-    keeps up; ``1 - throughput/rate`` in sustained overload."""
-    arrivals = np.array([s.arrival for s in spans])
-    ends = np.array([s.end if s.end >= 0 else np.inf for s in spans])
-    arrived = int(((arrivals >= t0) & (arrivals < t1)).sum())
-    if arrived == 0 or t1 <= t0:
-        return 0.0
-    ts = np.linspace(t0, t1, 256)
-    inside = (arrivals[None, :] <= ts[:, None]) & (ends[None, :] > ts[:, None])
-    slope = float(np.polyfit(ts, inside.sum(axis=1).astype(np.float64), 1)[0])
-    return slope / (arrived / (t1 - t0))
-
-
 def _keeps_up(job: EvalJob, rate: float) -> tuple[bool, float]:
     """One long run at ``rate``: did the workflow keep up, and its completions per second."""
     case = job.case
     spec = [WorkloadSpec(case.workflow, rate, case.params)]  # type: ignore[arg-type]
     requests = case.capacity_requests / rate
-    warmup = max(job.settle_s, 0.25 * requests)
+    # near capacity the in-flight count climbs for minutes before its plateau
+    warmup = max(job.settle_s, CAP_WARMUP * requests)
     res, spans = simulate_requests(
         _sim_allocation(case, case.allocations[job.alloc_index]), spec,
         duration_s=warmup + requests, warmup_s=warmup, drain_s=0.0,
@@ -267,8 +256,8 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                        target_calls=target, refine=(0.3, 0.6, 0.8) if quick else REFINE,
                        precision=0.08 if quick else 0.04,
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model],
-                       min_requests=PROFILE_REQUESTS // 2 if quick else PROFILE_REQUESTS,
-                       latency_se=LATENCY_SE_QUICK if quick else LATENCY_SE)
+                       min_requests=PROFILE_REQUESTS // 3 if quick else PROFILE_REQUESTS,
+                       latency_se=0.0 if quick else LATENCY_SE)
             for model, tp, share in keys]
 
 

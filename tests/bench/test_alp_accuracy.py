@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.alp_accuracy import backlog_growth, mean_and_se
+from bench.alp_accuracy import mean_and_se
+from bench.sim_profile import backlog_growth
 from sim.des import RequestSpan
 
 
