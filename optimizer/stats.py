@@ -141,11 +141,13 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
     pair, a, b = got.call_pair, got.call_a, got.call_b
     starts = request_starts(a, got.req_off)
-    u_all = request_unions(a, b, starts).astype(np.float64)
+    scratch = np.empty_like(b)
+    u_all = request_unions(a, b, starts, scratch).astype(np.float64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
     of_wf = [np.flatnonzero(req_wf == w) for w in range(n_wf)]
     seg = segments(pair, a, b, got.req_off,
-                   [of_wf[w] for w, _ in got.pairs])
+                   [of_wf[w] for w, _ in got.pairs], scratch)
+    del scratch
     n_req = np.bincount(req_wf, minlength=n_wf)
     span = (got.req_t1 - got.req_t0).astype(np.float64)
     u_sum = np.bincount(seg.request, weights=seg.union, minlength=starts.size).astype(np.float64)

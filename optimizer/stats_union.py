@@ -9,8 +9,10 @@ and per (request, pair) the calls, summed durations and union length. Also the e
 
 Union of intervals sorted by start in one pass: a call adds whatever of it lies past the
 running maximum of the ends before it, ``max(0, b - max(a, max(b_prev...)))``. The per-pair
-pass reuses the request order: a stable sort by pair (a radix sort on small codes) keeps each
-pair's calls sorted by ``a``, so the same formula applies within each pair's slice.
+pass reuses the request order: selecting each pair's calls (by a boolean mask per pair, or for
+many pairs a stable radix sort by pair) keeps them sorted by ``a``, so the same formula applies
+within each pair's slice. Call-sized arrays are few and reused (``scratch``): on small
+machines, fresh memory is a visible part of the cost.
 
 Invariants: pure functions over int64 arrays (exact integer microseconds, no float until the
 caller divides); inputs are not modified; every request index passed in has at least one call.
@@ -27,6 +29,7 @@ import numpy.typing as npt
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
 F64 = npt.NDArray[np.float64]
+MASK_PAIRS = 16  # up to this many pairs, a boolean mask per pair beats sorting by pair
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +43,10 @@ class Segments:
     union: I64  # length of the union of the calls' intervals (µs)
 
 
-def covered(a: I64, b: I64) -> I64:
+def covered(a: I64, b: I64, out: I64 | None = None) -> I64:
     """Per interval ``[a_i, b_i]`` (sorted by ``a``), the length it adds to the union of the
-    intervals before it; their sum is the union's length."""
-    out = np.empty_like(b)
+    intervals before it; their sum is the union's length. Written into ``out`` if given."""
+    out = np.empty_like(b) if out is None else out
     if b.size == 0:
         return out
     out[0] = a[0]
@@ -59,37 +62,52 @@ def request_starts(a: I64, offsets: I64) -> I64:
     return np.searchsorted(a, offsets, side="left").astype(np.int64)
 
 
-def request_unions(a: I64, b: I64, starts: I64) -> I64:
-    """Per request, the length of the union of all its calls (any pair)."""
-    return np.add.reduceat(covered(a, b), starts) if starts.size else np.zeros(0, np.int64)
+def request_unions(a: I64, b: I64, starts: I64, scratch: I64 | None = None) -> I64:
+    """Per request, the length of the union of all its calls (any pair); ``scratch`` (as long
+    as ``a``) saves allocating a call-sized array."""
+    if not starts.size:
+        return np.zeros(0, np.int64)
+    return np.add.reduceat(covered(a, b, scratch), starts)
 
 
-def segments(pair: I32, a: I64, b: I64, offsets: I64, groups: Sequence[I64]) -> Segments:
+def segments(
+    pair: I32, a: I64, b: I64, offsets: I64, groups: Sequence[I64], scratch: I64 | None = None
+) -> Segments:
     """Per (request, pair): calls, summed durations, union length.
 
     ``groups[pair]`` lists the requests (indices into ``offsets``, ascending) that may call
     ``pair`` (those of its workflow); every call of ``pair`` belongs to one of them.
+    ``scratch`` (as long as ``a``) saves allocating a call-sized array.
     """
     n = a.size
-    # A stable sort by pair keeps each pair's calls in request-then-start order; on codes
-    # that fit 16 bits numpy's stable sort is a radix sort (linear).
-    keys = pair.astype(np.uint16) if n and int(pair.max()) < 1 << 16 else pair
-    order = np.argsort(keys, kind="stable")
     ends = np.cumsum(np.bincount(pair, minlength=len(groups)))
+    # Each pair's calls, still in request-then-start order, one pair after another.
+    a_s, b_s = np.empty_like(a), np.empty_like(b)
+    nonempty = [(p, int(ends[p - 1]) if p else 0, int(hi)) for p, hi in enumerate(ends)
+                if hi > (ends[p - 1] if p else 0)]
+    if len(nonempty) <= MASK_PAIRS:
+        mask = np.empty(n, dtype=bool)  # few pairs: one sequential pass each, no index array
+        for p, lo, hi in nonempty:
+            np.equal(pair, p, out=mask)
+            np.compress(mask, a, out=a_s[lo:hi])
+            np.compress(mask, b, out=b_s[lo:hi])
+    else:  # a stable sort by pair; on codes that fit 16 bits numpy makes it a radix sort
+        keys = pair.astype(np.uint16) if int(pair.max()) < 1 << 16 else pair
+        order = np.argsort(keys, kind="stable")
+        np.take(a, order, out=a_s)
+        np.take(b, order, out=b_s)
+        del order
+    cover = np.empty_like(b) if scratch is None else scratch
     parts: list[tuple[I32, I32, I64, I64, I64]] = []
-    for p, hi in enumerate(ends):
-        lo = int(ends[p - 1]) if p else 0
-        if hi == lo:
-            continue
-        take = order[lo:hi]
-        a_p, b_p = a[take], b[take]
-        cover = covered(a_p, b_p)
+    for p, lo, hi in nonempty:
+        a_p, b_p, cover_p = a_s[lo:hi], b_s[lo:hi], cover[lo:hi]
+        covered(a_p, b_p, cover_p)
         np.subtract(b_p, a_p, out=b_p)  # durations
         request, first = _split(a_p, offsets, groups[p])
         parts.append((
             np.full(first.size, p, dtype=np.int32), request,
             np.diff(first, append=a_p.size),
-            np.add.reduceat(b_p, first), np.add.reduceat(cover, first),
+            np.add.reduceat(b_p, first), np.add.reduceat(cover_p, first),
         ))
     if not parts:
         empty = np.zeros(0, np.int64)

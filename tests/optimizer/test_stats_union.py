@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from optimizer import stats_union
 from optimizer.stats_union import (
     covered,
     mean_of,
@@ -67,8 +68,12 @@ def test_request_unions_do_not_leak_across_requests() -> None:
     assert request_unions(a, b, starts).tolist() == [100, 3]
 
 
+@pytest.mark.parametrize("mask_pairs", [16, 0])  # a mask per pair, or the sort by pair
 @pytest.mark.parametrize("seed", range(6))
-def test_random_requests_match_brute_force(seed: int) -> None:
+def test_random_requests_match_brute_force(
+    seed: int, mask_pairs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stats_union, "MASK_PAIRS", mask_pairs)
     rng = np.random.default_rng(seed)
     requests = []
     for _ in range(int(rng.integers(1, 40))):
