@@ -145,8 +145,7 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     u_all = request_unions(a, b, starts, scratch).astype(np.float64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
     of_wf = [np.flatnonzero(req_wf == w) for w in range(n_wf)]
-    seg = segments(pair, a, b, got.req_off,
-                   [of_wf[w] for w, _ in got.pairs], scratch)
+    seg = segments(pair, a, b, got.req_off, [of_wf[w] for w, _ in got.pairs], scratch)
     del scratch
     n_req = np.bincount(req_wf, minlength=n_wf)
     span = (got.req_t1 - got.req_t0).astype(np.float64)
@@ -157,7 +156,7 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
 
     sum_span, sum_span_sq, sum_u_all, sum_u_sum = (
         per_wf(span), per_wf(span * span), per_wf(u_all), per_wf(u_sum))
-    models = _models(got, seg, wf_of_pair, n_req)
+    models = _models(got, seg, n_req)
     bimodal = _bimodality(got, seg, wf_of_pair, n_req)
     out: dict[str, WorkflowStats] = {}
     lo = window.t_from_us
@@ -206,7 +205,7 @@ def _shares(got: Scan, seg: Segments) -> F64:
 
 
 def _models(
-    got: Scan, seg: Segments, wf_of_pair: npt.NDArray[np.int64], n_req: npt.NDArray[np.int64]
+    got: Scan, seg: Segments, n_req: npt.NDArray[np.int64]
 ) -> dict[int, dict[str, ModelStats]]:
     n_pairs = len(got.pairs)
     share = _shares(got, seg)
