@@ -8,10 +8,13 @@ measure). ``--from-json`` imports points measured elsewhere instead. Prints the 
 key's saturation throughput; emulated figures say so.
 
 Speed-up: an emulator runs ``speedup`` model seconds per wall second, and every figure is
-reported in model time. ``--speedup auto`` (the default for emulators) restarts the emulator
-after a closed-loop probe with the speed-up that puts its saturation near ``--wall-rate``
-calls per wall second, which this machine's client and emulator can both sustain; the
-emulator's own ``/metrics`` (``scepsy_emulator_speedup``) is authoritative when present.
+reported in model time. ``--speedup auto`` (the default for emulators) probes the emulator
+closed-loop, measures what one call costs in CPU on each side (this process, and the emulator
+process it started), and restarts the emulator at the speed-up that puts its saturation at
+the wall rate where neither side spends more than ``--cpu-budget`` of a core: an emulator
+short of CPU runs its clock late and reads pessimistic (each point reports that lag, from the
+emulator's own ``/metrics``). The run whose probe confirms the speed-up is the one swept, and
+its probe is the sweep's capacity estimate. ``--wall-rate`` sets that wall rate instead.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -42,8 +47,10 @@ from optimizer.profiler import (
     SweepResult,
     SweepSettings,
     Target,
+    capacity_estimate,
+    clock_lag,
     engine_metrics,
-    probe,
+    probe_ends,
     sweep,
 )
 from optimizer.profiles import (
@@ -59,6 +66,7 @@ from shared.ports import free_port
 
 HELP = "profile a model's throughput-latency curve by replaying its traced calls"
 START_TIMEOUT_S = 60.0
+MAX_PROBE_LAG = 0.05  # an emulator whose clock lagged more in the probe is run slower
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the first --tp and --shares value label it)")
     parser.add_argument("--speedup", default="auto",
                         help="model seconds per wall second of the engine, or 'auto' (emulator)")
-    parser.add_argument("--wall-rate", type=float, default=100.0,
-                        help="--speedup auto aims saturation at this many calls per wall second")
+    parser.add_argument("--cpu-budget", type=float, default=0.3,
+                        help="--speedup auto: the share of one core the client or an emulator "
+                             "may spend at saturation (0.3)")
+    parser.add_argument("--wall-rate", type=float, default=None,
+                        help="--speedup auto aims saturation at this many calls per wall second "
+                             "(default: from --cpu-budget and the measured cost of a call)")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter points")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="import points from this profile file instead of measuring")
@@ -93,6 +105,8 @@ class EngineSource(Protocol):
     def serve(self, model: str, tp: int, share: float,
               speedup: float) -> contextlib.AbstractAsyncContextManager[Target]: ...
 
+    def cpu_seconds(self, target: Target) -> float | None:
+        """CPU time the engine serving ``target`` has used, if this machine can tell."""
 
 
 
@@ -125,6 +139,7 @@ class EmulatorProcesses:
     gpu: str
     python: str = sys.executable
     engine: str = "emulator"
+    pids: dict[str, int] = field(default_factory=dict)  # url -> pid of the running ones
 
     @contextlib.asynccontextmanager
     async def serve(self, model: str, tp: int, share: float,
@@ -144,10 +159,22 @@ class EmulatorProcesses:
                     tail = log.read()[-600:].decode("utf-8", "replace").strip()
                     raise ProfileRunError(f"emulator for {model} (tp={tp}, share={share}): "
                                           f"{exc}: {tail}") from None
+                self.pids[url] = proc.pid
                 yield Target(url, model, self.engine, self.gpu, tp, share,
                              await _reported_speedup(url, speedup))
             finally:
+                self.pids.pop(url, None)
                 await _stop(proc)
+
+    def cpu_seconds(self, target: Target) -> float | None:
+        """User + system CPU of the emulator process (Linux ``/proc``; else None)."""
+        pid = self.pids.get(target.url)
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields_ = f.read().rpartition(")")[2].split()
+        except (OSError, TypeError):
+            return None
+        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
@@ -176,38 +203,89 @@ class RunningEngine:
         yield Target(url, model, self.engine, self.gpu, tp, share,
                      await _reported_speedup(url, speedup))
 
+    def cpu_seconds(self, target: Target) -> float | None:
+        return None
+
 
 # ---- speed-up ------------------------------------------------------------------------------
 
-async def choose_speedup(source: EngineSource, workload: Workload, tp: int, share: float,
-                         wall_rate: float, settings: SweepSettings) -> float:
-    """The speed-up that puts saturation near ``wall_rate`` calls per wall second: probe,
-    correct for an engine the client could not keep busy (its busy-time counter), retry."""
+@dataclass(frozen=True)
+class Calibration:
+    """One closed-loop probe of an emulator: what the speed-up choice rests on."""
+
+    speedup: float
+    estimate: float  # model calls/s completed (the sweep's capacity estimate)
+    util: float  # share of the probe's wall time the engine spent stepping (1: saturated)
+    client_cpu_s: float  # per call sent, this process
+    engine_cpu_s: float | None  # per call sent, the emulator process (None: unknown)
+    lag: float | None  # the emulator's clock lag over the probe
+
+    def wanted_speedup(self, cpu_budget: float, wall_rate: float | None) -> float:
+        """The speed-up putting saturation at ``wall_rate`` calls per wall second, or where
+        the costlier side spends ``cpu_budget`` of a core; two significant digits."""
+        per_call = max(self.client_cpu_s, self.engine_cpu_s or 0.0, 1e-6)
+        rate = wall_rate if wall_rate is not None else cpu_budget / per_call
+        return float(f"{rate / self.capacity:.2g}")
+
+    @property
+    def capacity(self) -> float:
+        """Model calls/s of the engine kept busy: the probe's rate over the share of wall
+        time the engine spent in model steps (busy time counts the model's own step
+        durations, so a client that left it idle and an emulator whose clock lagged both
+        read low by that share)."""
+        return self.estimate / self.util
+
+
+async def calibrate(source: EngineSource, target: Target, workload: Workload,
+                    settings: SweepSettings) -> Calibration:
+    """Probe ``target`` closed-loop, measuring CPU per call on both sides and the engine's
+    busy time (a client that cannot keep the engine busy reads low: ``util`` corrects it)."""
+    busy = "scepsy_emulator_model_busy_seconds_total"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        rep = Replayer(s, target, workload, settings.call_timeout_s)
+        loop = asyncio.get_running_loop()
+        before = await engine_metrics(s, target.url)
+        t0, cpu0, ecpu0 = loop.time(), time.process_time(), source.cpu_seconds(target)
+        ends = await probe_ends(rep, settings)
+        n = max(1, rep.sent)  # most of a call's cost falls when it is sent (parse, plan)
+        wall = loop.time() - t0
+        cpu, ecpu1 = time.process_time() - cpu0, source.cpu_seconds(target)
+        after = await engine_metrics(s, target.url)
+    util = 1.0
+    if busy in before and busy in after:
+        util = min(1.0, max(0.02, (after[busy] - before[busy]) / (wall * target.speedup)))
+    return Calibration(target.speedup, capacity_estimate(ends, settings, target.speedup), util,
+                       cpu / n, None if ecpu0 is None or ecpu1 is None else (ecpu1 - ecpu0) / n,
+                       clock_lag(before, after, wall))
+
+
+@contextlib.asynccontextmanager
+async def calibrated(source: EngineSource, workload: Workload, tp: int, share: float,
+                     settings: SweepSettings, cpu_budget: float,
+                     wall_rate: float | None) -> AsyncIterator[tuple[Target, Calibration]]:
+    """A running emulator at the speed-up its own probe confirms (module docstring): start at
+    1, probe, restart at the wanted speed-up until a probe wants (about) the one it ran at."""
     speedup = 1.0
-    for _ in range(4):
+    for attempt in range(4):
         async with source.serve(workload.model, tp, share, speedup) as target:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-                rep = Replayer(s, target, workload, settings.call_timeout_s)
-                before = await engine_metrics(s, target.url)
-                t0 = asyncio.get_running_loop().time()
-                try:
-                    rate = await probe(rep, replace(settings, probe_max_s=2.0))
-                except ProfileRunError as exc:
-                    if "too slow" not in str(exc):
-                        raise
-                    speedup = target.speedup * 8.0  # too few calls finished: run faster
-                    continue
-                wall = asyncio.get_running_loop().time() - t0
-                after = await engine_metrics(s, target.url)
-        busy = "scepsy_emulator_model_busy_seconds_total"
-        util = 1.0
-        if busy in before and busy in after:
-            util = min(1.0, max(0.02, (after[busy] - before[busy]) / (wall * target.speedup)))
-        capacity_wall = rate * target.speedup / util
-        if 0.6 * wall_rate <= capacity_wall <= 1.6 * wall_rate and util > 0.5:
-            break
-        speedup = float(f"{target.speedup * wall_rate / capacity_wall:.2g}")
-    return speedup
+            try:
+                cal = await calibrate(source, target, workload, settings)
+            except ProfileRunError as exc:
+                if "too slow" not in str(exc) or attempt == 3:
+                    raise
+                speedup = target.speedup * 8.0  # too few calls finished: run faster
+                continue
+            wanted = cal.wanted_speedup(cpu_budget, wall_rate)
+            lagged = cal.lag is not None and cal.lag > MAX_PROBE_LAG
+            if lagged:  # short of CPU at this speed, whatever the budget says: slow down
+                slower = target.speedup * max(0.25, 1.0 - 2.0 * (cal.lag or 0.0))
+                wanted = min(wanted, float(f"{slower:.2g}"))
+            if attempt == 3 or (not lagged and cal.util > 0.5
+                                and 0.7 <= wanted / target.speedup <= 1.4):
+                yield target, cal
+                return
+        speedup = wanted
+    raise AssertionError("unreachable: the last attempt yields or raises")
 
 
 # ---- presentation --------------------------------------------------------------------------
@@ -244,8 +322,10 @@ class RichProgress:
         self.bar.stop()
         p = result.point
         note = f"  saturated: {result.saturated}" if result.saturated else ""
-        self.console.print(f"  {self.label} offered {result.nominal_rate:.3g}/s -> "
-                           f"{p.throughput:.3g}/s, p50 {p.lat_p50:.3g}s{note}")
+        lag = "" if result.clock_lag is None else f", clock lag {result.clock_lag:.1%}"
+        self.console.print(f"  {self.label} offered {result.nominal_rate:.3g}/s (sent "
+                           f"{p.offered_rate:.3g}) -> {p.throughput:.3g}/s, p50 "
+                           f"{p.lat_p50:.3g}s{lag}{note}")
 
 
 def points_table(points: Sequence[ProfilePoint], title: str) -> Table:
@@ -294,24 +374,43 @@ async def _measure(args: argparse.Namespace, workload: Workload, console: Consol
                                                  else EmulatorProcesses(args.gpu))
     keys = [(tps[0], shares[0])] if args.url else [(t, s) for t in tps for s in shares]
     label = "emulated" if isinstance(source, EmulatorProcesses) else "measured"
+    if args.speedup != "auto":
+        fixed = float(args.speedup)
+        if not math.isfinite(fixed) or fixed <= 0:
+            raise UsageError("--speedup must be a positive number or 'auto'")
+    if not 0 < args.cpu_budget <= 1 or (args.wall_rate is not None and args.wall_rate <= 0):
+        raise UsageError("--cpu-budget must be in (0, 1], --wall-rate positive")
     points: list[ProfilePoint] = []
     for tp, share in keys:
-        if args.speedup == "auto":
-            speedup = (1.0 if args.url else await choose_speedup(
-                source, workload, tp, share, args.wall_rate, settings))
-        else:
-            speedup = float(args.speedup)
-            if not math.isfinite(speedup) or speedup <= 0:
-                raise UsageError("--speedup must be a positive number or 'auto'")
-        tag = f"{workload.model} tp={tp} share={share:g} ({label}, speedup {speedup:g})"
-        async with source.serve(workload.model, tp, share, speedup) as target:
+        async with contextlib.AsyncExitStack() as stack:
+            estimate: float | None = None
+            if args.speedup == "auto" and isinstance(source, EmulatorProcesses):
+                target, cal = await stack.enter_async_context(calibrated(
+                    source, workload, tp, share, settings, args.cpu_budget, args.wall_rate))
+                estimate = cal.capacity
+                engine_cpu = ("?" if cal.engine_cpu_s is None
+                              else f"{cal.engine_cpu_s * 1e3:.2g}")
+                console.print(f"{workload.model} tp={tp} share={share:g}: speedup "
+                              f"{cal.speedup:g}; probe {cal.estimate:.4g} calls/s (model time) with the "
+                              f"engine busy {cal.util:.0%}: capacity ~{cal.capacity:.4g}; CPU per call: client "
+                              f"{cal.client_cpu_s * 1e3:.2g} ms, emulator {engine_cpu} ms")
+            else:
+                target = await stack.enter_async_context(source.serve(
+                    workload.model, tp, share, 1.0 if args.speedup == "auto" else fixed))
+            tag = (f"{workload.model} tp={tp} share={share:g} ({label}, "
+                   f"speedup {target.speedup:g})")
             result: SweepResult = await sweep(target, workload, settings,
-                                              RichProgress(console, tag))
+                                              RichProgress(console, tag), estimate)
+        client_bound = [r.nominal_rate for r in result.points if r.client_bound]
+        if client_bound:
+            console.print(f"[yellow]{tag}: this client could not send {min(client_bound):.3g} "
+                          "calls/s (it is short of CPU): saturation may read low")
         lagging = [r.clock_lag for r in result.points
                    if r.clock_lag is not None and r.clock_lag > 0.05]
         if lagging:
             console.print(f"[yellow]{tag}: the emulator's clock lagged up to "
-                          f"{max(lagging):.0%}: figures are pessimistic; lower --speedup")
+                          f"{max(lagging):.0%}: figures are pessimistic; lower --cpu-budget or "
+                          "--speedup")
         mine = [r.point for r in result.points]
         save_points(args.store, mine)
         points.extend(mine)

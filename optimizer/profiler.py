@@ -1,11 +1,13 @@
 """The profiler: replay one model's traced calls against an engine, from light load to saturation.
 
 Role: DESIGN §3.5's measurement loop, the part of the optimizer that touches the world (HTTP
-to one engine). :func:`sweep` first runs a short closed-loop probe to estimate the engine's
-capacity, then offers the replay workload (``optimizer.replay``) at rates growing
-geometrically from a fraction of that estimate until achieved throughput stops following the
-offered rate (saturation is found, not configured), then adds a few refining points below
-(and just past) the saturation estimate. Each rate yields one :class:`ProfilePoint`.
+to one engine). :func:`sweep` starts from a capacity estimate (a short closed-loop probe, or
+one its caller already measured on the same engine), offers the replay workload
+(``optimizer.replay``) at a few fractions of it for the curve, then brackets saturation: it
+raises the rate until a point no longer keeps up and bisects (geometrically) between the
+highest rate kept up with and the lowest one that was not, until they are within
+``resolution`` of each other (saturation is found, not configured). Each rate yields one
+:class:`ProfilePoint`; ``T_m`` is read off them by ``optimizer.profiles``.
 
 Invariants:
 - every rate and latency is in *model* time: an emulator running ``speedup`` model seconds
@@ -15,11 +17,17 @@ Invariants:
   the trace) have finished;
 - throughput counts calls completed inside the steady window (after a warm-up of at least one
   traced group span), offered rate the calls sent inside it, latencies the calls sent inside
-  it; a point ends by cancelling what is still in flight after a bounded drain, so the engine
-  is idle before the next point starts;
-- a point is saturated when throughput < 90% of the calls sent, or < 80% of the nominal rate
-  (dependency-bound workloads stop sending under overload), or its median latency exceeds
-  ``latency_blowup`` x the light-load median, or the in-flight bound is hit;
+  it; a point ends by cancelling what is still in flight, so the engine is idle before the
+  next point starts. A point that kept up first waits (bounded) for the calls sent in its
+  window, so their latencies count; an overloaded one does not (its latencies are those of
+  the calls that finished: a lower bound, and ``optimizer.profiles`` ignores them);
+- a point is saturated when it did not keep up in ``optimizer.profiles``' sense (throughput
+  below ``1 - FOLLOW_TOLERANCE`` of the calls sent: the sweep and the curve use one test), or
+  its throughput fell well short of the nominal rate (dependency-bound workloads stop sending
+  under overload), or its median latency exceeds ``latency_blowup`` x the light-load median,
+  or the in-flight bound was hit; a point whose client started groups late (``CLIENT_LATE``)
+  is client-bound instead: it bounds the search, it does not show the engine saturated;
+- the bracket moves on nominal rates; the points keep what was achieved;
 - nothing here knows how the engine was started (see ``optimizer.profile_cmd``).
 """
 
@@ -34,6 +42,7 @@ from typing import Protocol
 
 import aiohttp
 import numpy as np
+import numpy.typing as npt
 
 from optimizer.profiles import FOLLOW_TOLERANCE, ProfilePoint
 from optimizer.replay import Workload, schedule
@@ -63,13 +72,15 @@ class SweepSettings:
     min_point_s: float = 4.0  # wall seconds
     max_point_s: float = 40.0
     warmup_fraction: float = 0.2
-    start_fraction: float = 0.1  # of the probe's capacity estimate
-    growth: float = 1.5
+    edge_taper: float = 0.25  # of the window (summarise_point: batch-proof rates)
+    # the curve below saturation: fractions of the capacity estimate, lightest first
+    curve: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.85)
+    first_bracket: float = 0.95  # the first rate tried near capacity (fraction of the estimate)
+    step_up: float = 1.15  # kept up there: raise the rate by this factor until it does not
+    # stop bisecting once the lowest overloaded rate is within this of the highest kept up
+    # with (relative): T_m is then known to that resolution, from below
+    resolution: float = 0.04
     max_points: int = 12
-    # fractions of the plateau (best throughput so far): T_m is the highest rate the engine
-    # kept up with (optimizer.profiles), so points just below the plateau decide it
-    refine: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)
-    overshoot: tuple[float, ...] = (1.5,)  # past the estimate: pins the plateau
     probe_concurrency: int = 256
     probe_max_s: float = 8.0
     latency_blowup: float = 10.0
@@ -79,8 +90,8 @@ class SweepSettings:
 
 
 QUICK = SweepSettings(calls_per_point=400, min_groups_per_point=20, min_point_s=2.0,
-                      max_point_s=10.0, start_fraction=0.2, growth=2.0, max_points=7,
-                      refine=(0.9, 0.95), overshoot=(), probe_max_s=4.0)
+                      max_point_s=15.0, curve=(0.25, 0.6), resolution=0.08, max_points=6,
+                      probe_max_s=4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +112,9 @@ class PointResult:
     saturated: str | None  # why this point counts as saturated, else None
     failures: int
     send_lag_s: float  # mean lateness of the client's sends (wall): a client-bound run shows
-    clock_lag: float | None = None  # an emulator's own clock lag at the end (None: not one)
+    clock_lag: float | None = None  # an emulator's lost wall time over the point's wall time
+    client_bound: bool = False  # the client sent late: what the engine could do is unknown
+    settle: float = 0.0  # model s until the groups of the point's first half sent their last call
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +132,35 @@ class Progress(Protocol):
 
 # ---- pure summaries ------------------------------------------------------------------------
 
+def tapered_rate(times: Sequence[float], window: tuple[float, float], taper: float) -> float:
+    """Events per second in ``window``, averaged over every sub-window of its length less
+    ``taper`` (a fraction of it, at most 0.5) sliding across it: each event weighs 1, falling
+    linearly to 0 over ``taper`` at both edges. An engine that completes calls in batches
+    (one step finishes many) then reads the same whichever phase its steps have at the
+    edges, where a plain count swings by a whole batch."""
+    t_w, t_e = window
+    span = max(t_e - t_w, 1e-9)
+    tau = min(max(taper, 0.0), 0.5) * span
+    x = np.asarray(times, dtype=np.float64)
+    x = x[(x >= t_w) & (x <= t_e)]
+    if tau <= 0.0:
+        return float(x.size) / span
+    weight = np.minimum(1.0, np.minimum(x - t_w, t_e - x) / tau)
+    return float(weight.sum()) / (span - tau)
+
+
 def summarise_point(target: Target, model: str, timings: Sequence[CallTiming], window: tuple[
-        float, float], nominal_rate: float) -> tuple[ProfilePoint, int]:
-    """The profile point of one run (model time) and its failure count."""
+        float, float], nominal_rate: float, taper: float = 0.0,
+        sends: Sequence[float] | None = None) -> tuple[ProfilePoint, int]:
+    """The profile point of one run (model time) and its failure count. ``sends``: the send
+    time of every call, those cut short included (default: the timings'). Rates count with
+    edges tapered over ``taper`` of the window (:func:`tapered_rate`); latencies are of the
+    calls sent inside the window that finished."""
     t_w, t_e = window
     k = target.speedup
-    span_model = max(t_e - t_w, 1e-9) * k
     sent = [c for c in timings if t_w <= c.sent < t_e]
-    done = [c for c in timings if c.ok and c.end is not None and t_w <= c.end <= t_e]
+    sent_at = [c.sent for c in timings] if sends is None else sends
+    ends = [c.end for c in timings if c.ok and c.end is not None]
     measured = [c for c in sent if c.ok and c.end is not None]
     lat = np.array([(c.end or 0.0) - c.sent for c in measured]) * k
     if lat.size == 0:
@@ -135,10 +169,10 @@ def summarise_point(target: Target, model: str, timings: Sequence[CallTiming], w
     p50, p90, p99 = (float(x) for x in np.percentile(lat, [50, 90, 99]))
     point = ProfilePoint(
         model=model, engine=target.engine, gpu_type=target.gpu_type, tp=target.tp,
-        share=target.share, offered_rate=len(sent) / span_model,
-        throughput=len(done) / span_model, lat_mean=float(lat.mean()), lat_p50=p50,
+        share=target.share, offered_rate=tapered_rate(sent_at, window, taper) / k,
+        throughput=tapered_rate(ends, window, taper) / k, lat_mean=float(lat.mean()), lat_p50=p50,
         lat_p90=p90, lat_p99=p99, ttft_mean=float(ttft.mean()) if ttft.size else math.inf,
-        n_calls=len(sent))
+        n_calls=sum(1 for t in sent_at if t_w <= t < t_e))
     return point, sum(1 for c in timings if not c.ok and c.end is not None)
 
 
@@ -146,7 +180,7 @@ def saturation_reason(point: ProfilePoint, nominal_rate: float, light_p50: float
                       settings: SweepSettings, groups: float = math.inf) -> str | None:
     """Why ``point`` shows an engine that no longer keeps up, or None. ``groups``: request
     groups expected in the window; the nominal-rate test allows for their Poisson noise."""
-    follow = 1.0 - 2.0 * FOLLOW_TOLERANCE
+    follow = 1.0 - FOLLOW_TOLERANCE
     if point.throughput < follow * point.offered_rate:
         return f"throughput {point.throughput:.3g}/s < {follow:.0%} of sent {point.offered_rate:.3g}/s"
     floor = min(0.8, 1.0 - 3.0 / math.sqrt(max(groups, 1e-9)))
@@ -157,10 +191,17 @@ def saturation_reason(point: ProfilePoint, nominal_rate: float, light_p50: float
     return None
 
 
-def refine_rates(saturation: float, done: Sequence[float], settings: SweepSettings) -> list[float]:
-    """Rates still worth measuring: refine and overshoot fractions, away from ``done``."""
-    wanted = [f * saturation for f in (*settings.refine, *settings.overshoot)]
-    return [r for r in wanted if all(abs(r - d) > 0.05 * r for d in done)]
+def next_rate(kept_up: float | None, overloaded: float | None, estimate: float,
+              settings: SweepSettings) -> float | None:
+    """The bracket's next nominal rate, or None when saturation is pinned to ``resolution``.
+    ``kept_up``: the highest rate the engine kept up with; ``overloaded``: the lowest it did
+    not; ``estimate``: the capacity estimate the sweep started from."""
+    if overloaded is None:
+        first = settings.first_bracket * estimate
+        return first if kept_up is None or kept_up < first else kept_up * settings.step_up
+    if kept_up is None or overloaded <= kept_up * (1.0 + settings.resolution):
+        return None
+    return math.sqrt(kept_up * overloaded)
 
 
 # ---- the replay ----------------------------------------------------------------------------
@@ -175,6 +216,8 @@ class Replayer:
         self.workload = workload
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.in_flight = 0
+        self.sent = 0  # calls sent so far
+        self.sends: list[float] = []  # their send times (wall), kept when a call is cut short
 
     async def call(self, index: int) -> CallTiming:
         c = self.workload.calls[index]
@@ -182,6 +225,8 @@ class Replayer:
         sent = loop.time()
         first = sent
         self.in_flight += 1
+        self.sent += 1
+        self.sends.append(sent)
         try:
             async with self.session.post(
                     self.target.url + c.endpoint, data=c.body, timeout=self.timeout,
@@ -205,14 +250,21 @@ class Replayer:
         finally:
             self.in_flight -= 1
 
-    async def group(self, g: int, out: list[CallTiming]) -> None:
-        """Run one request group: each call starts once its dependencies ended."""
+    async def group(self, g: int, out: list[CallTiming],
+                    marks: list[float] | None = None) -> None:
+        """Run one request group: each call starts once its dependencies ended. ``marks``
+        gets the group's start time, then each call's send time as it is sent."""
         members = self.workload.groups[g]
         done = {i: asyncio.Event() for i in members}
+        loop = asyncio.get_running_loop()
+        if marks is not None:
+            marks.append(loop.time())
 
         async def one(i: int) -> None:
             for d in self.workload.calls[i].deps:
                 await done[d].wait()
+            if marks is not None:
+                marks.append(loop.time())
             try:
                 out.append(await self.call(i))
             finally:
@@ -221,9 +273,22 @@ class Replayer:
 
 
 async def probe(rep: Replayer, settings: SweepSettings) -> float:
-    """Closed-loop capacity estimate (model calls/s): ``probe_concurrency`` callers sending
-    the workload's calls in trace order, dependencies ignored; measured after the first
-    ``concurrency`` completions (the engine's batch filled) until as many again or a bound."""
+    """Closed-loop capacity estimate (model calls/s): see :func:`probe_ends`."""
+    return capacity_estimate(await probe_ends(rep, settings), settings, rep.target.speedup)
+
+
+def capacity_estimate(ends: Sequence[float], settings: SweepSettings, speedup: float) -> float:
+    """Model calls/s completed after the first ``probe_concurrency`` completions (the batch
+    filled), from the sorted completion times (wall s) of a closed-loop probe."""
+    lo = min(settings.probe_concurrency, len(ends) // 2)
+    window = max(ends[-1] - ends[lo], 1e-9)
+    return (len(ends) - 1 - lo) / window / speedup
+
+
+async def probe_ends(rep: Replayer, settings: SweepSettings) -> list[float]:
+    """Completion times (wall s, sorted) of a closed-loop probe: ``probe_concurrency`` callers
+    sending the workload's calls in trace order, dependencies ignored, until twice that many
+    completed (the batch filled, then as many again) or a bound."""
     loop = asyncio.get_running_loop()
     n = len(rep.workload.calls)
     concurrency = settings.probe_concurrency
@@ -259,33 +324,39 @@ async def probe(rep: Replayer, settings: SweepSettings) -> float:
     if len(ends) < 40:
         raise ProfileRunError(f"the engine at {rep.target.url} completed {len(ends)} calls in "
                               f"{4 * settings.probe_max_s:g}s: too slow to profile (lower its speedup?)")
-    lo = min(concurrency, len(ends) // 2)
-    window = max(ends[-1] - ends[lo], 1e-9)
-    return (len(ends) - 1 - lo) / window / rep.target.speedup
+    return ends
 
 
 async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np.random.Generator,
                     progress: Progress | None = None, index: int = 0,
-                    light_p50: float | None = None, latency_hint: float = 0.0) -> PointResult:
+                    light_p50: float | None = None, settle_hint: float = 0.0) -> PointResult:
     """Offer ``rate`` model calls/s for one measurement window; return its point.
-    ``latency_hint``: a call's latency (model s) near capacity; the warm-up covers it twice,
-    so an overloaded engine is measured with its batch full, not while it fills."""
+    ``settle_hint``: how long (model s) groups took to send their last call at the last rate
+    kept up with; the planned warm-up allows half as much again (latency grows with load).
+    The window then starts once 95% of the groups that arrived in the point's first half
+    had sent their last call (measured, at most 60% into the point): only then is the send
+    rate steady, and an overloaded engine measured with its batch full, not while it fills."""
     loop = asyncio.get_running_loop()
     wl, k = rep.workload, rep.target.speedup
     wall_rate = rate * k
-    settle = max(2.0, wl.depth) * latency_hint / k  # a group's chain fills the pipeline
+    settle = SETTLE_MARGIN * settle_hint / k
     want = max(settings.calls_per_point, settings.min_groups_per_point * wl.calls_per_group)
-    duration = min(max(want / wall_rate, settings.min_point_s, 3.0 * settle),
-                   settings.max_point_s)
-    warmup = min(max(settings.warmup_fraction * duration, settle), 0.5 * duration)
+    steady = max(want / wall_rate, settings.min_point_s)
+    warmup = max(settings.warmup_fraction * steady, settle)
+    duration = min(warmup + steady, settings.max_point_s)
+    warmup = min(warmup, MAX_WARMUP * duration)
     times, order = schedule(wl, wall_rate, duration, rng)
     if progress is not None:
         progress.point_started(index, rate, duration)
+    before = await engine_metrics(rep.session, rep.target.url)
     timings: list[CallTiming] = []
     tasks: list[asyncio.Task[None]] = []
+    marks: list[list[float]] = []
+    first_send = len(rep.sends)
     lag = 0.0
     overflow = False
     start = loop.time()
+    t_end = start + duration
     try:
         for t, g in zip(times.tolist(), order.tolist(), strict=True):
             delay = start + t - loop.time()
@@ -295,30 +366,72 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
             if rep.in_flight >= settings.max_in_flight:
                 overflow = True
                 break
-            tasks.append(asyncio.create_task(rep.group(g, timings)))
-        t_end = start + duration
+            marks.append([])
+            tasks.append(asyncio.create_task(rep.group(g, timings, marks[-1])))
         await asyncio.sleep(max(0.0, t_end - loop.time()))
-        # drain: calls sent inside the window may finish (their latencies count), bounded
+        span = send_span(marks, start + 0.5 * duration, t_end, wl.groups, order)
+        warmup = min(max(warmup, span), MAX_WARMUP * duration)
+        window = (start + warmup, t_end)
+        groups = wall_rate * (duration - warmup) / wl.calls_per_group
+        # throughput and the calls sent are known now; only latencies need the drain
+        kept_up = not overflow and saturation_reason(
+            summarise_point(rep.target, wl.model, timings, window, rate,
+                            settings.edge_taper, rep.sends[first_send:])[0], rate, None,
+            settings, groups) is None
         pending = [t for t in tasks if not t.done()]
-        if pending:
+        if pending and kept_up:
             await asyncio.wait(pending, timeout=max(1.0, 0.5 * duration))
     finally:
         await _cancel(tasks)
-    point, failures = summarise_point(rep.target, wl.model, timings, (start + warmup, t_end),
-                                      rate)
+    wall = loop.time() - start
+    point, failures = summarise_point(rep.target, wl.model, timings, window, rate,
+                                      settings.edge_taper, rep.sends[first_send:])
     errors = [c.error for c in timings if c.error]
     if failures > max(5, 0.05 * len(timings)):
         raise ProfileRunError(f"{failures} of {len(timings)} calls failed at {rate:.3g}/s "
                               f"(model time), e.g. {errors[0]}")
-    groups = wall_rate * (t_end - start - warmup) / wl.calls_per_group
-    reason = "in-flight bound reached" if overflow else saturation_reason(
-        point, rate, light_p50, settings, groups)
-    metrics = await engine_metrics(rep.session, rep.target.url)
-    result = PointResult(point, rate, reason, failures, lag / max(1, len(times)),
-                         metrics.get("scepsy_emulator_clock_lag_ratio"))
+    send_lag = lag / max(1, len(times))
+    # a client that starts groups late offers less than the schedule: the shortfall is its
+    # own, so the point says nothing about the rate the engine could take
+    client_bound = send_lag > CLIENT_LATE * (duration - warmup)
+    reason = ("in-flight bound reached" if overflow else
+              f"client-bound: groups started {send_lag:.2g}s late on average" if client_bound
+              else saturation_reason(point, rate, light_p50, settings, groups))
+    after = await engine_metrics(rep.session, rep.target.url)
+    result = PointResult(point, rate, reason, failures, send_lag,
+                         clock_lag(before, after, wall), client_bound, span * k)
     if progress is not None:
         progress.point_finished(index, result)
     return result
+
+
+LOST = "scepsy_emulator_lost_wall_seconds_total"
+SETTLE_MARGIN = 1.5  # a higher rate's groups take longer to send their last call
+MAX_WARMUP = 0.6  # of a point's duration: the rest is its window
+
+
+def send_span(marks: Sequence[Sequence[float]], arrived_by: float, now: float,
+              groups: Sequence[Sequence[int]], order: Sequence[int] | npt.NDArray[np.int64],
+              quantile: float = 0.95) -> float:
+    """Wall seconds until ``quantile`` of the groups that arrived before ``arrived_by`` had
+    sent their last call (a group still sending counts as sending until ``now``).
+    ``marks[j]``: group ``j``'s start, then its calls' send times; ``order[j]`` its index."""
+    spans = []
+    for j, m in enumerate(marks):
+        if not m or m[0] >= arrived_by:
+            continue
+        complete = len(m) - 1 >= len(groups[int(order[j])])
+        spans.append((m[-1] if complete else now) - m[0])
+    return float(np.quantile(spans, quantile)) if spans else 0.0
+CLIENT_LATE = 0.05  # mean send lateness, as a share of the window, that makes a point client-bound
+
+
+def clock_lag(before: dict[str, float], after: dict[str, float], wall_s: float) -> float | None:
+    """An emulator's lost wall time over ``wall_s`` between two scrapes (0.05: its model
+    clock fell 5% behind); None for an engine that does not report it."""
+    if LOST not in before or LOST not in after or wall_s <= 0:
+        return None
+    return (after[LOST] - before[LOST]) / wall_s
 
 
 async def engine_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -353,43 +466,53 @@ async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:
 
 
 async def sweep(target: Target, workload: Workload, settings: SweepSettings = SweepSettings(),
-                progress: Progress | None = None) -> SweepResult:
-    """Profile ``workload`` on ``target`` from light load to saturation (module docstring)."""
+                progress: Progress | None = None, estimate: float | None = None) -> SweepResult:
+    """Profile ``workload`` on ``target`` from light load to saturation (module docstring).
+    ``estimate``: the engine's capacity (model calls/s) if already probed; else probed here."""
     rng = np.random.default_rng(settings.seed)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         rep = Replayer(session, target, workload, settings.call_timeout_s)
-        estimate = await probe(rep, settings)
+        if estimate is None:
+            estimate = await probe(rep, settings)
         results: list[PointResult] = []
-        rate = settings.start_fraction * estimate
-        light: float | None = None
-        for _ in range(3):  # the probe overestimated: even the lightest rate saturates
-            first = await run_point(rep, rate, settings, rng, progress, 0)
-            if first.saturated is None:
-                break
-            rate /= settings.growth ** 2
-        results.append(first)
-        light = first.point.lat_p50
-        hint = first.point.lat_p90
-        while first.saturated is None and len(results) < settings.max_points:
-            rate *= settings.growth
+        kept_up: float | None = None  # highest nominal rate kept up with
+        overloaded: float | None = None  # lowest nominal rate that was not
+        light: float | None = None  # median latency at the lightest rate kept up with
+        hint = 0.0  # model s groups took to send their last call at the highest rate kept up with
+
+        async def measure(rate: float) -> None:
+            nonlocal kept_up, overloaded, light, hint
             res = await run_point(rep, rate, settings, rng, progress, len(results), light, hint)
             results.append(res)
-            if res.saturated is not None:
+            if res.saturated is None:
+                kept_up = max(rate, kept_up or 0.0)
+                if light is None:
+                    light = res.point.lat_p50
+                if rate >= kept_up:
+                    hint = res.settle
+            else:  # a client-bound point bounds the search too: no higher rate can be sent
+                overloaded = min(rate, overloaded or math.inf)
+
+        curve = [f * estimate for f in settings.curve]
+        for _ in range(3):  # the estimate was far too high: even the lightest rate saturates
+            await measure(curve[0])
+            if kept_up is not None:
                 break
-            hint = res.point.lat_p90
-        saturated = any(r.saturated is not None for r in results)
+            curve = [r / 4.0 for r in curve]
+        for rate in curve[1:]:
+            if overloaded is not None or len(results) >= settings.max_points:
+                break
+            await measure(rate)
+        while len(results) < settings.max_points and kept_up is not None:
+            bracket = next_rate(kept_up, overloaded, estimate, settings)
+            if bracket is None:
+                break
+            await measure(bracket)
         best = max(r.point.throughput for r in results)
         if best <= 0.0:
             raise ProfileRunError(f"no call completed inside any measurement window at "
                                   f"{target.url}: the engine is too slow for these windows")
-        if saturated:
-            done = [r.nominal_rate for r in results]
-            for extra in refine_rates(best, done, settings):
-                res = await run_point(rep, extra, settings, rng, progress, len(results), light,
-                                      hint)
-                results.append(res)
         results.sort(key=lambda r: r.nominal_rate)
-        best = max(r.point.throughput for r in results)
+        saturated = any(r.saturated is not None and not r.client_bound for r in results)
         return SweepResult(tuple(results), estimate, best, saturated)
-

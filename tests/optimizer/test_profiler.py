@@ -97,15 +97,13 @@ async def fake_engine() -> AsyncIterator[tuple[str, list[tuple[str, float, float
 
 
 SMALL = SweepSettings(
-    calls_per_point=150,
+    calls_per_point=250,
     min_groups_per_point=10,
     min_point_s=1.0,
-    max_point_s=2.0,
-    start_fraction=0.2,
-    growth=2.0,
+    max_point_s=3.0,
+    curve=(0.2, 0.6),
+    resolution=0.08,
     max_points=6,
-    refine=(0.7,),
-    overshoot=(1.5,),
     probe_concurrency=32,
     probe_max_s=1.0,
 )
