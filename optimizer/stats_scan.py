@@ -22,7 +22,8 @@ Invariants (the same as before this module existed, DESIGN §3.4):
 - a request arrives at its first (ended) call's start and counts only if that lies in
   ``[t_from, t_to - settle)``; it is completed when its last call ended by ``t_to - settle``;
 - token histograms and unidentified counts cover calls whose start lies in the window;
-- every temp table and view it creates is dropped before it returns.
+- every temp table and view it creates is dropped, and the connection's
+  ``preserve_insertion_order`` restored, before it returns.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def scan(con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, bounds:
     tag = next(_names)
     raw, n, top, c, r, q = (f"_scepsy_{k}_{tag}" for k in ("raw", "n", "top", "c", "r", "q"))
     con.execute("SET enable_progress_bar = false")
+    got = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
+    preserve = bool(got[0]) if got else True
+    # Row order never matters here (every result is grouped or sorted), and not keeping the
+    # scan's order lets DuckDB fill the temp tables in parallel without re-ordering them.
+    con.execute("SET preserve_insertion_order = false")
     calls.create_view(raw, replace=True)
     try:
         return _scan(con, raw, n, top, c, r, q, bounds)
@@ -100,6 +106,7 @@ def scan(con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, bounds:
         for table in (q, r, c, top, n):
             con.execute(f"DROP TABLE IF EXISTS {table}")
         con.execute(f"DROP VIEW IF EXISTS {raw}")
+        con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
 
 
 def _scan(
