@@ -8,7 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer.alp import ModelAlloc, Pipeline, Stage, pooling_factor, predict, predict_many
+from optimizer.alp import (
+    ModelAlloc,
+    Pipeline,
+    Stage,
+    interference,
+    pooling_factor,
+    predict,
+    predict_many,
+)
 from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.stats import summarise_store
 from tests.optimizer.conftest import Row, call
@@ -84,22 +92,39 @@ def test_batch_agrees_with_single() -> None:
         assert bool(batch.scaled[i, 0]) == (one.stages[0].scaled_from is not None)
 
 
-def test_pooling_shrinks_only_the_excess_over_light_load() -> None:
+def test_pooling_shrinks_only_the_queueing_above_the_interference_line() -> None:
     book = _book()
     one = {"gen": ModelAlloc(replicas=1), "ver": ModelAlloc(replicas=1)}
     two = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
     # one replica: pooling changes nothing
     assert predict(PIPE, book, one, 1.5).latency == pytest.approx(
         predict(PIPE, book, one, 1.5, pooling=False).latency)
-    pooled = predict(PIPE, book, two, 2.0).stages[0]
-    separate = predict(PIPE, book, two, 2.0, pooling=False).stages[0]
-    light = 1 / 9  # the lightest profiled point
-    rho = 4.0 / MU
+    pooled = predict(PIPE, book, two, 3.0).stages[0]
+    separate = predict(PIPE, book, two, 3.0, pooling=False).stages[0]
+    # interference: the least-squares line through the M/M/1 points at up to half of mu
+    rates = np.array([1.0, 3.0, 5.0])
+    slope, intercept = np.polyfit(rates, 1.0 / (MU - rates), 1)
+    line = intercept + slope * 6.0  # 3 requests/s x 4 calls / 2 replicas
+    rho = 6.0 / MU
     factor = pooling_factor(rho, 2)
     assert factor == pytest.approx(rho ** (6**0.5 - 2) / 2)
-    assert pooled.call_latency == pytest.approx(light + (separate.call_latency - light) * factor)
-    assert light < pooled.call_latency < separate.call_latency
+    assert interference(book.lookup("gen", 1, 1.0), 6.0) == pytest.approx(line)
+    assert pooled.call_latency == pytest.approx(line + (separate.call_latency - line) * factor)
+    assert line < pooled.call_latency < separate.call_latency
     assert pooled.capacity == separate.capacity
+
+
+def test_interference_alone_does_not_pool() -> None:
+    # A replica whose latency only grows linearly with its own rate (other calls' prefills
+    # and a bigger batch in each step) is no faster for having peers behind the router.
+    points = [ProfilePoint("gen", "emulator", "H100", 1, 1.0, lam, lam, 0.5 + 0.05 * lam,
+                           0.5, 0.9, 1.2, 0.01, 1000) for lam in (1.0, 3.0, 5.0, 7.0, 9.0)]
+    book = ProfileBook(points)
+    pipe = Pipeline("chat", (Stage("gen", n=1.0, p=1.0),))
+    alloc = {"gen": ModelAlloc(replicas=3)}
+    pooled = predict(pipe, book, alloc, 24.0)
+    assert pooled.latency == pytest.approx(predict(pipe, book, alloc, 24.0, pooling=False).latency)
+    assert pooled.latency == pytest.approx(0.5 + 0.05 * 8.0)
 
 
 def test_batch_shape_is_checked() -> None:
