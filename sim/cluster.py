@@ -247,6 +247,7 @@ class Router:
         chosen = least
         preferred, matched = table.longest(keys)
         if (preferred is not None and matched / len(keys) >= self.settings.affinity_min_match
+                and preferred in pool  # a replica since removed is forgotten, as the proxy does
                 and preferred.outstanding <= least.outstanding + self.settings.affinity_slack):
             chosen = preferred
         table.remember(keys, chosen)

@@ -221,8 +221,12 @@ def test_prefix_affinity_mirrors_the_proxy_router() -> None:
     # far busier than the least loaded: the preferred replica is passed over
     first.outstanding += 9
     assert router.pick("llama-3.2-1b", 0, turn.extend(200, 60)) is not first
-    # no chat prompt (embeddings, rerank): the proxy's power of two choices
+    # a replica taken out of the pool is never picked again, even for its own prefixes
     first.outstanding = 0
+    router.by_model["llama-3.2-1b"].remove(first)
+    assert router.pick("llama-3.2-1b", 0, turn.extend(201, 60)) is not first
+    router.by_model["llama-3.2-1b"].append(first)
+    # no chat prompt (embeddings, rerank): the proxy's power of two choices
     picks = {router.pick("llama-3.2-1b", 0, None).name for _ in range(60)}
     assert len(picks) == 3
 
