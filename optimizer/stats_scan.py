@@ -1,8 +1,9 @@
 """The DuckDB side of workflow statistics: one pass over the call records to compact arrays.
 
-Role: the only part of :mod:`optimizer.stats` that runs SQL. It reads each needed Parquet
-column once (into a narrow numeric temp table), and hands numpy what the per-request work
-needs: per completed request one row, per call of a completed request ``(pair, a, b)`` sorted
+Role: the only part of :mod:`optimizer.stats` that runs SQL. It reads the store in one full
+pass of the needed columns (into a narrow numeric temp table; two cheap passes before it find
+the few (workflow, model) pairs and the retried calls), and hands numpy what the per-request
+work needs: per completed request one row, per call of a completed request ``(pair, a, b)`` sorted
 by ``a``, plus token-count histograms and unidentified-call counts. DuckDB does what it is
 good at (the scan, retry de-duplication, hash grouping, one single-key sort, all on every
 core); :mod:`optimizer.stats_union` does the interval arithmetic in linear passes.
