@@ -3,10 +3,10 @@
 Role: parse the command line, hand the parsed arguments to the subcommand's ``run``, and turn
 the optimizer's errors into one-line messages (exit status 2) instead of tracebacks.
 
-Each subcommand module exposes ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. They are imported lazily, so ``scepsy stats`` does not pay for the
-profiler's or the rollout backends' imports. Add a subcommand by adding one entry to
-:data:`COMMANDS`.
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Only the
+chosen subcommand's module is imported, so ``scepsy stats`` does not pay for the profiler's,
+the daemon's or the rollout backends' imports (about a second). Add a subcommand by adding
+one entry to :data:`COMMANDS`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,37 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-# name -> module. Later work adds profile, plan, run, render, demo, inventory.
-COMMANDS: dict[str, str] = {
-    "stats": "optimizer.stats_report",
-    "inventory": "optimizer.inventory_cmd",
-    "plan": "optimizer.plan_cmd",
-    "render": "optimizer.render_cmd",
-    "profile": "optimizer.profile_cmd",
-    "run": "optimizer.run_cmd",
-    "demo": "optimizer.demo",
+# name -> (module, one-line help). The help lives here so that listing the commands imports
+# none of them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "stats": (
+        "optimizer.stats_report",
+        "summarise recorded calls per workflow and model (n, p, shares, latency)",
+    ),
+    "inventory": (
+        "optimizer.inventory_cmd",
+        "list this node's GPUs and NVLink domains, and write them as cluster settings",
+    ),
+    "plan": (
+        "optimizer.plan_cmd",
+        "search the GPU allocation for the workflows (from a store or a scenario) and place it",
+    ),
+    "render": (
+        "optimizer.render_cmd",
+        "write the Kubernetes manifests (pods, services, routes) of the configured allocation",
+    ),
+    "profile": (
+        "optimizer.profile_cmd",
+        "profile a model's throughput-latency curve by replaying its traced calls",
+    ),
+    "run": (
+        "optimizer.run_cmd",
+        "run the optimizer daemon: watch traffic, re-plan on change, roll out",
+    ),
+    "demo": (
+        "optimizer.demo",
+        "run Scepsy end to end on an emulated 4-GPU node and write a report",
+    ),
 }
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
@@ -46,23 +68,32 @@ def parse_duration_s(text: str) -> float:
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(COMMANDS[name])
+    return importlib.import_module(COMMANDS[name][0])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line (its first non-option word), if any."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand with its help, and the arguments of ``command`` only: with no valid
+    command argparse prints the usage, which needs none."""
     parser = argparse.ArgumentParser(
         prog="scepsy", description="Scepsy optimizer: statistics, profiles, plans, rollouts."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        module = _module(name)
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    for name, (_, text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=text, description=text)
+        if name == command:
+            _module(name).add_arguments(sub_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_chosen(words)).parse_args(words)
     try:
         code: int = _module(args.command).run(args)
     except UsageError as exc:

@@ -57,8 +57,6 @@ from shared.cluster import cluster_from_settings
 from shared.ports import free_port
 from shared.settings import Settings, load_settings
 
-HELP = "run Scepsy end to end on an emulated 4-GPU node and write a report"
-
 BEAM_MODELS = ("llama-3.2-1b", "llama-3.1-8b-prm")
 RAG_MODELS = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
 FLOORS_GB = {"llama-3.2-1b": 6, "llama-3.1-8b-prm": 20, "llama-3-8b": 20, "e5-base-v2": 1,

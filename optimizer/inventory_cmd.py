@@ -19,8 +19,6 @@ from rich.table import Table
 from shared.cluster import GB, Cluster
 from shared.inventory import InventoryError, read_node, render_settings
 
-HELP = "list this node's GPUs and NVLink domains, and write them as cluster settings"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the cluster: settings section here")

@@ -45,8 +45,6 @@ from optimizer.search_space import SearchError, SearchProblem, WorkflowTarget
 from shared.cluster import GB, ClusterError, cluster_from_settings
 from shared.settings_schema import SettingsError
 
-HELP = "search the GPU allocation for the workflows (from a store or a scenario) and place it"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)

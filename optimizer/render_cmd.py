@@ -29,8 +29,6 @@ from shared.rollout_settings import AllocationEntry, RolloutSettings
 from shared.settings import load_settings
 from shared.settings_schema import SettingsError
 
-HELP = "write the Kubernetes manifests (pods, services, routes) of the configured allocation"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, required=True, help="settings YAML file")

@@ -28,8 +28,6 @@ from optimizer.daemon import Daemon, make_app
 from shared.cluster import cluster_from_settings
 from shared.settings import Settings, SettingsError, load_settings, parse_host_port
 
-HELP = "run the optimizer daemon: watch traffic, re-plan on change, roll out"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="settings YAML file")

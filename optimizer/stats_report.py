@@ -30,8 +30,6 @@ from optimizer.cli import UsageError, parse_duration_s
 from optimizer.stats import Window, WorkflowStats, summarise_store
 from shared.store import StoreReader
 
-HELP = "summarise recorded calls per workflow and model (n, p, shares, latency)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", required=True, type=Path, help="trace store folder or URI")
