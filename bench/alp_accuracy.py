@@ -257,7 +257,8 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                        precision=0.08 if quick else 0.04,
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model],
                        min_requests=PROFILE_REQUESTS // 3 if quick else PROFILE_REQUESTS,
-                       latency_se=0.0 if quick else LATENCY_SE)
+                       latency_se=0.0 if quick else LATENCY_SE,
+                       parallel=stats.models[model].p_agg)
             for model, tp, share in keys]
 
 

@@ -7,15 +7,17 @@ model on one replica (a fractional share: on as many co-located replicas as fill
 real call mix, fan-out and prefix sharing. The rate is doubled from light load until the
 replica stops keeping up (``keeps_up``: saturation found, not configured), the bracket is
 bisected, then points at fixed fractions of the saturation estimate are added for the latency
-curve. Keeping up is judged at the call level *and* the workflow level: a workflow whose calls
-depend on earlier calls (beam search: ~40 calls of each model per request, only 4 at a time)
-stops sending when the replica falls behind, so its submitted calls track its completed ones
-deep into overload; the requests it fails to complete show the backlog (as
-``optimizer.profiler`` checks the nominal rate for the same reason). ``backlog_growth`` reads
-a backlog from the trend of requests in the system instead (the accuracy bench's long
-capacity runs): less noisy than two end points, but it needs windows many request latencies
-long, which a profile point of a few hundred beam requests is not. ``bracket`` is shared with the accuracy bench, which finds a whole allocation's maximum
-throughput the same way. Every figure here is *simulated*.
+curve. Keeping up is judged by the calls piling up *at this model* per workflow request
+arriving: a workflow whose calls depend on earlier calls (beam search: ~40 calls of each model
+per request, ~3 at a time) stops sending when the replica falls behind, so its submitted calls
+track its completed ones deep into overload (97% of them at 20% overload); a pile of ``k``
+calls there holds ``k / p`` requests, against ``started / n`` arriving (``n`` calls per
+request, ``p`` at a time). Counting the whole workflow's backlog instead would blame this
+model for an over-provisioned one's limit (RAG's embedder profiled at 30 000 calls/s needs
+the generator to keep up too). ``backlog_growth`` reads a backlog from the trend of requests
+in the system (the accuracy bench's long capacity runs). ``bracket`` is shared with the
+accuracy bench, which finds a whole allocation's maximum throughput the same way. Every figure
+here is *simulated*.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class ProfileJob:
     # refining points run longer (up to 8x) until their mean latency's batch-means standard
     # error is below this fraction of it; 0: one run each
     latency_se: float = 0.0
+    # calls of the model a request runs at once (stats' p); None: judge calls alone, as if
+    # every call were independent
+    parallel: float | None = None
 
 
 def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:
@@ -176,17 +181,17 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
     lat = np.array([c.t_end - c.t_start for c in started]) if started else np.array([np.inf])
     ttft = [c.t_first - c.t_start for c in started if c.t_first >= 0]
     p50, p90, p99 = np.percentile(lat, [50, 90, 99])
-    wf = res.workflows[case.workflow]
-    completed = wf.throughput * (end - warmup)
-    # requests that arrived in the window per request completed in it: ~1 when keeping up
-    backlog = max(1.0, wf.started / max(completed, 1.0))
+    # calls piled up at this model per call sent, then per request arriving (see above)
+    pile = max(0.0, 1.0 - finished / max(len(started), 1))
+    if job.parallel is not None:
+        pile *= job.n_per_request / max(job.parallel, 1.0)
+    pile = min(pile, 0.99)
     point = ProfilePoint(
         model=job.model, engine=ENGINE, gpu_type=case.gpu, tp=job.tp, share=job.share,
         # offered: the calls the workflow actually submitted in the window (bursty workflows
-        # stray far from the nominal rate over a short run), scaled up by the requests it
-        # could not complete: the calls a dependency-bound workflow would have sent had the
-        # replica kept up. Under overload, completions fall behind this.
-        offered_rate=len(started) / span * backlog,
+        # stray far from the nominal rate over a short run), or for a dependency-bound
+        # workflow the rate whose shortfall is the share of arriving requests piling up here
+        offered_rate=max(len(started), finished / (1.0 - pile)) / span,
         throughput=finished / span,
         lat_mean=float(lat.mean()), lat_p50=float(p50), lat_p90=float(p90),
         lat_p99=float(p99), ttft_mean=float(np.mean(ttft)) if ttft else 0.0,
