@@ -89,8 +89,8 @@ class SweepSettings:
     seed: int = 0
 
 
-QUICK = SweepSettings(calls_per_point=400, min_groups_per_point=20, min_point_s=2.0,
-                      max_point_s=15.0, curve=(0.25, 0.6), resolution=0.08, max_points=6,
+QUICK = SweepSettings(calls_per_point=600, min_groups_per_point=20, min_point_s=2.0,
+                      max_point_s=18.0, curve=(0.25, 0.6), resolution=0.08, max_points=6,
                       probe_max_s=4.0)
 
 
@@ -115,6 +115,7 @@ class PointResult:
     clock_lag: float | None = None  # an emulator's lost wall time over the point's wall time
     client_bound: bool = False  # the client sent late: what the engine could do is unknown
     settle: float = 0.0  # model s until the groups of the point's first half sent their last call
+    follow_error: float = 0.0  # standard error of throughput / offered (see follow_error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,11 +332,14 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
                     progress: Progress | None = None, index: int = 0,
                     light_p50: float | None = None, settle_hint: float = 0.0) -> PointResult:
     """Offer ``rate`` model calls/s for one measurement window; return its point.
+
     ``settle_hint``: how long (model s) groups took to send their last call at the last rate
     kept up with; the planned warm-up allows half as much again (latency grows with load).
-    The window then starts once 95% of the groups that arrived in the point's first half
-    had sent their last call (measured, at most 60% into the point): only then is the send
-    rate steady, and an overloaded engine measured with its batch full, not while it fills."""
+    The window starts once the send rate is steady and the queue has filled, both measured
+    (:func:`send_span`, :func:`fill_time`; at most ``MAX_WARMUP`` into the point). When the
+    follow test is too close to call (within two standard errors of its threshold, the
+    error from the in-flight count's spread), the point runs on, up to twice its planned
+    length, so that marginal points get more calls rather than a coin toss."""
     loop = asyncio.get_running_loop()
     wl, k = rep.workload, rep.target.speedup
     wall_rate = rate * k
@@ -344,8 +348,8 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
     steady = max(want / wall_rate, settings.min_point_s)
     warmup = max(settings.warmup_fraction * steady, settle)
     duration = min(warmup + steady, settings.max_point_s)
-    warmup = min(warmup, MAX_WARMUP * duration)
-    times, order = schedule(wl, wall_rate, duration, rng)
+    longest = 2.0 * duration
+    times, order = schedule(wl, wall_rate, longest, rng)
     if progress is not None:
         progress.point_started(index, rate, duration)
     before = await engine_metrics(rep.session, rep.target.url)
@@ -353,36 +357,55 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
     tasks: list[asyncio.Task[None]] = []
     marks: list[list[float]] = []
     first_send = len(rep.sends)
-    lag = 0.0
+    late = [0.0, 0]  # summed lateness of the group starts, and their count
     overflow = False
     start = loop.time()
-    t_end = start + duration
-    try:
+
+    async def send() -> None:
+        nonlocal overflow
         for t, g in zip(times.tolist(), order.tolist(), strict=True):
             delay = start + t - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            lag += max(0.0, loop.time() - (start + t))
+            late[0] += max(0.0, loop.time() - (start + t))
+            late[1] += 1
             if rep.in_flight >= settings.max_in_flight:
                 overflow = True
-                break
+                return
             marks.append([])
             tasks.append(asyncio.create_task(rep.group(g, timings, marks[-1])))
-        await asyncio.sleep(max(0.0, t_end - loop.time()))
-        span = send_span(marks, start + 0.5 * duration, t_end, wl.groups, order)
-        warmup = min(max(warmup, span), MAX_WARMUP * duration)
-        window = (start + warmup, t_end)
-        groups = wall_rate * (duration - warmup) / wl.calls_per_group
-        # throughput and the calls sent are known now; only latencies need the drain
-        kept_up = not overflow and saturation_reason(
-            summarise_point(rep.target, wl.model, timings, window, rate,
-                            settings.edge_taper, rep.sends[first_send:])[0], rate, None,
-            settings, groups) is None
+
+    def judge(t_end: float) -> tuple[tuple[float, float], float, str | None, float, float]:
+        """The window, its expected groups, the saturation reason, the follow test's margin
+        and standard error, as of ``t_end`` (throughput and sends are known, latencies not)."""
+        span = send_span(marks, start + 0.5 * (t_end - start), t_end, wl.groups, order)
+        ends = [c.end for c in timings if c.end is not None]
+        fill = fill_time(rep.sends[first_send:], ends, start, t_end)
+        w = min(max(warmup, span, fill), MAX_WARMUP * (t_end - start))
+        window = (start + w, t_end)
+        groups = wall_rate * (t_end - start - w) / wl.calls_per_group
+        point = summarise_point(rep.target, wl.model, timings, window, rate, settings.edge_taper,
+                                rep.sends[first_send:])[0]
+        margin = point.throughput / max(point.offered_rate, 1e-12) - (1 - FOLLOW_TOLERANCE)
+        return window, groups, saturation_reason(point, rate, None, settings, groups), margin, \
+            follow_error(rep.sends[first_send:], ends, window, point.n_calls)
+
+    sender = asyncio.create_task(send())
+    try:
+        t_end = start + duration
+        while True:
+            await asyncio.sleep(max(0.0, t_end - loop.time()))
+            window, groups, reason, margin, error = judge(t_end)
+            if overflow or abs(margin) >= 2.0 * error or t_end >= start + longest - 1e-9:
+                break
+            t_end = min(t_end + 0.5 * duration, start + longest)
+        sender.cancel()
         pending = [t for t in tasks if not t.done()]
-        if pending and kept_up:
+        if pending and reason is None and not overflow:  # latencies of the window's calls
             await asyncio.wait(pending, timeout=max(1.0, 0.5 * duration))
     finally:
-        await _cancel(tasks)
+        sender.cancel()
+        await _cancel([sender, *tasks])
     wall = loop.time() - start
     point, failures = summarise_point(rep.target, wl.model, timings, window, rate,
                                       settings.edge_taper, rep.sends[first_send:])
@@ -390,24 +413,53 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
     if failures > max(5, 0.05 * len(timings)):
         raise ProfileRunError(f"{failures} of {len(timings)} calls failed at {rate:.3g}/s "
                               f"(model time), e.g. {errors[0]}")
-    send_lag = lag / max(1, len(times))
+    send_lag = late[0] / max(1, late[1])
     # a client that starts groups late offers less than the schedule: the shortfall is its
     # own, so the point says nothing about the rate the engine could take
-    client_bound = send_lag > CLIENT_LATE * (duration - warmup)
+    client_bound = send_lag > CLIENT_LATE * (window[1] - window[0])
     reason = ("in-flight bound reached" if overflow else
               f"client-bound: groups started {send_lag:.2g}s late on average" if client_bound
               else saturation_reason(point, rate, light_p50, settings, groups))
     after = await engine_metrics(rep.session, rep.target.url)
+    span = send_span(marks, start + 0.5 * (window[1] - start), window[1], wl.groups, order)
     result = PointResult(point, rate, reason, failures, send_lag,
-                         clock_lag(before, after, wall), client_bound, span * k)
+                         clock_lag(before, after, wall), client_bound, span * k, error)
     if progress is not None:
         progress.point_finished(index, result)
     return result
 
 
+def follow_error(sends: Sequence[float], ends: Sequence[float], window: tuple[float, float],
+                 n_sent: int, grid: int = 100) -> float:
+    """Standard error of throughput / offered over ``window``: the count of calls in flight
+    at the window's edges decides the ratio's noise, so sqrt(2) x its spread over the window
+    (edges tapered: an overestimate), over the calls sent."""
+    t = np.linspace(window[0], window[1], grid)
+    in_flight = (np.searchsorted(np.sort(np.asarray(sends, dtype=np.float64)), t, side="right")
+                 - np.searchsorted(np.sort(np.asarray(ends, dtype=np.float64)), t, side="right"))
+    return float(math.sqrt(2.0) * in_flight.std() / max(n_sent, 1))
+
+
 LOST = "scepsy_emulator_lost_wall_seconds_total"
 SETTLE_MARGIN = 1.5  # a higher rate's groups take longer to send their last call
 MAX_WARMUP = 0.6  # of a point's duration: the rest is its window
+
+
+def fill_time(sends: Sequence[float], ends: Sequence[float], start: float, end: float,
+              late: float = 1.0 - MAX_WARMUP, level: float = 0.9, grid: int = 200) -> float:
+    """Seconds from ``start`` until the calls in flight first reach ``level`` of their mean
+    over the last ``late`` of ``[start, end]``: the queue has filled. For an engine that
+    keeps up this is its ramp; for one that does not, the count keeps growing and this is
+    late (the caller caps it), so the window still sees the growth."""
+    t = np.linspace(start, end, grid)
+    s = np.searchsorted(np.sort(np.asarray(sends, dtype=np.float64)), t, side="right")
+    e = np.searchsorted(np.sort(np.asarray(ends, dtype=np.float64)), t, side="right")
+    in_flight = s - e
+    tail = in_flight[t >= end - late * (end - start)]
+    if tail.size == 0 or tail.mean() <= 0:
+        return 0.0
+    reached = np.nonzero(in_flight >= level * tail.mean())[0]
+    return float(t[reached[0]] - start) if reached.size else end - start
 
 
 def send_span(marks: Sequence[Sequence[float]], arrived_by: float, now: float,
