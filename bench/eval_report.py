@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.eval_setup import PAPER_ABLATION, PAPER_HPA, SYSTEMS
+from bench.eval_setup import HEADROOM, PAPER_ABLATION, PAPER_HPA, SYSTEMS
 
 Point = dict[str, Any]
 LATENCY_SLACK = 1.05  # a baseline faster than Scepsy by less than this is a tie (noise)
@@ -104,9 +104,11 @@ def _shortfall(p: Point, s: Point, what: str) -> dict[str, Any]:
 
 def cause(s: dict[str, Any]) -> str:
     """Which part is at fault for one shortfall, from the ALP's view of both allocations at
-    that rate: the search (the ALP rates the baseline's allocation better: it is outside the
-    search's space, or the search erred) or the ALP (it rates Scepsy's better, the simulator
-    disagrees)."""
+    that rate: the search's space (the baseline gives a model replicas of different shares),
+    the ALP's capacity (it predicts the baseline cannot carry the rate with the search's
+    headroom, the simulator sustains it), the search (the ALP rates the baseline better and
+    it covers the rate) or the ALP's ranking (it rates Scepsy's better, the simulator does
+    not)."""
     b, sc = s["baseline"], s["scepsy"]
     wf = "rag" if s["workflow"] == "combined" else s["workflow"]
     if b.get("alp") is None:
@@ -120,11 +122,19 @@ def cause(s: dict[str, Any]) -> str:
     if bl is None and bt > st:
         return (f"{view}. Search space: the baseline gives one model replicas of different "
                 "shares, which the search (one TP and share per model) cannot express")
-    better = bt > st * 1.0001 if s["what"] != "is faster" else (
-        bl is not None and sl is not None and bl < sl)
+    goal = s["rate"] * (1.0 + HEADROOM)
+    if bt < goal:
+        return (f"{view}. ALP capacity: it predicts the baseline's allocation below the rate "
+                f"with the search's headroom ({_fmt(goal)} req/s), so the search could not "
+                "pick it; the simulator sustains it")
+    if s["what"].startswith("is faster"):
+        better = bl is not None and sl is not None and bl < sl
+    else:
+        better = bt > st * 1.0001
     if better:
         return f"{view}. Search: the ALP rates the baseline better, the search did not pick it"
-    return f"{view}. ALP misprediction: it rates Scepsy's allocation better, the simulator does not"
+    return (f"{view}. ALP ranking: it rates Scepsy's allocation better, the simulator does "
+            "not")
 
 
 def _fmt(x: Any, digits: int = 3) -> str:

@@ -114,7 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="multiply run lengths (requests per point, autoscaler windows)")
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="reuse DIR/knowledge.json from an earlier run with the same mode")
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-render DIR/evaluation.md (and the summary) from DIR/evaluation.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        return _rerender(args.out)
     started = time.perf_counter()
     lengths = QUICK if args.quick else FULL
     if args.scale != 1.0:
@@ -154,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plots = plot_curves(points, args.out)
     if dynamic is not None:
         plots.append(plot_dynamic(dynamic, args.out))
-    report = {"label": "simulated", "quick": args.quick, "sizes": sizes, "systems": SYSTEMS,
+    report = {"label": "simulated", "meta": meta, "quick": args.quick, "sizes": sizes,
+              "systems": SYSTEMS,
               "summary": summary, "shortfalls": shortfalls, "sweeps": sweeps,
               "points": points, "dynamic": dynamic, "knowledge": knowledge_doc(k),
               "plots": plots, "wall_s": round(wall, 1),
@@ -170,6 +175,24 @@ def main(argv: Sequence[str] | None = None) -> int:
              for wf, d in summary.items()}
     print(orjson.dumps({"summary": brief, "wall_s": round(wall, 1), "phase_s": report["phase_s"]},
                        option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+def _rerender(out: Path) -> int:
+    """The summary, shortfalls and Markdown again from the points of an earlier run (the
+    report's rules changed, the runs did not)."""
+    doc = orjson.loads((out / "evaluation.json").read_bytes())
+    summary, shortfalls = summarise(doc["points"])
+    meta = doc.get("meta") or {
+        "command": "python -m bench.evaluate (an earlier run)", "wall_s": doc["wall_s"],
+        "workers": "?", "rate_fractions": sorted({round(p["rate"] / doc["sweeps"][p["workflow"]][
+            str(p["gpus"])]["capacity"], 3) for p in doc["points"]})}
+    meta = {**meta, "command": meta["command"] + " (report re-rendered by --report-only)"}
+    doc.update(summary=summary, shortfalls=shortfalls)
+    (out / "evaluation.json").write_bytes(orjson.dumps(
+        doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS))
+    (out / "evaluation.md").write_text(markdown(summary, shortfalls, meta, doc["dynamic"],
+                                                doc["points"]))
     return 0
 
 

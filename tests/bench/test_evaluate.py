@@ -126,5 +126,14 @@ def test_cause_tells_the_search_from_the_alp() -> None:
     assert "different shares" in cause(mixed)
     missed = shortfall({"throughput": 3.0, "latency": 1.0}, {"throughput": 2.5, "latency": 2.0})
     assert "Search:" in cause(missed)
-    wrong = shortfall({"throughput": 2.2, "latency": 1.0}, {"throughput": 2.5, "latency": 0.9})
-    assert "ALP misprediction" in cause(wrong)
+    wrong = shortfall({"throughput": 2.3, "latency": 1.0}, {"throughput": 2.5, "latency": 0.9})
+    assert "ALP ranking" in cause(wrong)
+    short = shortfall({"throughput": 2.1, "latency": 1.0}, {"throughput": 2.5, "latency": 2.0})
+    assert "ALP capacity" in cause(short)  # 2.1 < 2.0 x (1 + headroom)
+
+    faster = _pt("even", 2.0, 2.0, True, 1.0, allocation=alloc,
+                 alp={"beam": {"throughput": 3.0, "latency": 1.5}})
+    ours = _pt("scepsy", 2.0, 2.0, True, 2.0, allocation=alloc,
+               alp={"beam": {"throughput": 3.0, "latency": 1.0}})
+    found = summarise([faster, ours])[1]
+    assert found[0]["what"].startswith("is faster") and "ALP ranking" in cause(found[0])
