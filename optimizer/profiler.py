@@ -90,7 +90,7 @@ class SweepSettings:
 
 
 QUICK = SweepSettings(calls_per_point=600, min_groups_per_point=20, min_point_s=2.0,
-                      max_point_s=18.0, curve=(0.25, 0.6), resolution=0.08, max_points=6,
+                      max_point_s=18.0, curve=(0.25, 0.6), resolution=0.06, max_points=7,
                       probe_max_s=4.0)
 
 
@@ -338,17 +338,19 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
     The window starts once the send rate is steady and the queue has filled, both measured
     (:func:`send_span`, :func:`fill_time`; at most ``MAX_WARMUP`` into the point). When the
     follow test is too close to call (within two standard errors of its threshold, the
-    error from the in-flight count's spread), the point runs on, up to twice its planned
-    length, so that marginal points get more calls rather than a coin toss."""
+    error from the in-flight count's spread) after half of ``calls_per_point``, the point
+    runs on by as much again, up to twice ``calls_per_point``: a clear point costs half the
+    calls, a marginal one gets more calls rather than a coin toss."""
     loop = asyncio.get_running_loop()
     wl, k = rep.workload, rep.target.speedup
     wall_rate = rate * k
     settle = SETTLE_MARGIN * settle_hint / k
     want = max(settings.calls_per_point, settings.min_groups_per_point * wl.calls_per_group)
-    steady = max(want / wall_rate, settings.min_point_s)
+    # first look after half the calls: a clear point stops there, a marginal one runs on
+    steady = max(0.5 * want / wall_rate, settings.min_point_s)
     warmup = max(settings.warmup_fraction * steady, settle)
     duration = min(warmup + steady, settings.max_point_s)
-    longest = 2.0 * duration
+    longest = duration + 3.0 * min(steady, duration - warmup)
     times, order = schedule(wl, wall_rate, longest, rng)
     if progress is not None:
         progress.point_started(index, rate, duration)
@@ -398,7 +400,7 @@ async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np
             window, groups, reason, margin, error = judge(t_end)
             if overflow or abs(margin) >= 2.0 * error or t_end >= start + longest - 1e-9:
                 break
-            t_end = min(t_end + 0.5 * duration, start + longest)
+            t_end = min(t_end + min(steady, duration - warmup), start + longest)
         sender.cancel()
         pending = [t for t in tasks if not t.done()]
         if pending and reason is None and not overflow:  # latencies of the window's calls
