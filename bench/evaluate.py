@@ -13,7 +13,8 @@ dynamically (``bench.eval_dynsim``), per-LLM independent sizing and an even spli
 (``bench.eval_static``), and Scepsy without TP / fractions / both. Rates are fractions of
 Scepsy's predicted capacity on each cluster; every system runs the same rates with the same
 seeds. A second scenario (``bench.eval_daemon``) steps the RAG rate while beam holds steady and
-compares the daemon's decisions with the autoscaler over time.
+compares the daemon's decisions with the autoscaler over time. ``--report-only`` re-renders
+the summary and report of an earlier run from its ``evaluation.json``.
 """
 
 from __future__ import annotations
