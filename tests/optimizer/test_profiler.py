@@ -10,12 +10,22 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 import pytest
 from aiohttp import web
 
 from optimizer.cli import main
-from optimizer.profiler import Replayer, SweepSettings, Target, sweep
+from optimizer.profiler import (
+    Replayer,
+    SweepSettings,
+    Target,
+    fill_time,
+    next_rate,
+    send_span,
+    sweep,
+    tapered_rate,
+)
 from optimizer.profiles import Profile, ProfilePoint, export_json, load_points, save_points
 from optimizer.replay import build_workload, load_workload
 from shared.records import CallRecord
@@ -233,3 +243,37 @@ def test_profile_emulated_embedder_end_to_end(tmp_path: Path) -> None:
     assert profile.saturated
     assert profile.saturation == pytest.approx(capacity, rel=0.1)
     assert replace(measured[0], n_calls=0).engine == "emulator"
+
+
+def test_bracket_rises_then_bisects_to_the_resolution() -> None:
+    s = SweepSettings(first_bracket=0.95, step_up=1.15, resolution=0.06)
+    assert next_rate(None, None, 100.0, s) == pytest.approx(95.0)
+    assert next_rate(60.0, None, 100.0, s) == pytest.approx(95.0)  # curve below: bracket
+    assert next_rate(95.0, None, 100.0, s) == pytest.approx(95.0 * 1.15)  # kept up: rise
+    assert next_rate(60.0, 95.0, 100.0, s) == pytest.approx((60.0 * 95.0) ** 0.5)
+    assert next_rate(95.0, 100.0, 100.0, s) is None  # within 6%: saturation is pinned
+    assert next_rate(None, 50.0, 100.0, s) is None  # nothing kept up: the caller lowers
+
+
+def test_tapered_rate_ignores_the_phase_of_batched_completions() -> None:
+    # a batching engine finishes 10 calls every 0.1 s (at 0.05, 0.15, ...): 100 calls/s
+    # whatever the window's phase, while a plain count over 1.05 s holds 10 or 11 batches
+    bursts = np.repeat(np.arange(0.05, 5.0, 0.1), 10).tolist()
+    for shift in (0.0, 0.02, 0.04, 0.06, 0.08):
+        window = (1.0 + shift, 2.05 + shift)
+        assert tapered_rate(bursts, window, 0.25) == pytest.approx(100.0, rel=0.03)
+    assert tapered_rate(bursts, (0.99, 2.04), 0.0) == pytest.approx(100 / 1.05)
+    assert tapered_rate(bursts, (1.04, 2.09), 0.0) == pytest.approx(110 / 1.05)
+
+
+def test_window_waits_for_the_groups_last_calls_and_the_queue() -> None:
+    groups = ((0, 1, 2), (3,))
+    # group 0 started at 0 and sent its last call at 3; group 1 (one call) at 1
+    marks = [[0.0, 0.0, 1.5, 3.0], [1.0, 1.0]]
+    assert send_span(marks, 2.0, 10.0, groups, [0, 1], quantile=1.0) == pytest.approx(3.0)
+    # a group still sending counts until now
+    assert send_span([[0.0, 0.0, 1.5]], 2.0, 10.0, groups, [0], quantile=1.0) == 10.0
+    # calls in flight climb to 10 by t=5, then stay: the queue filled at 90% of that level
+    sends = np.arange(0.0, 20.0, 0.1)
+    ends = sends[sends < 19.0] + np.minimum(1.0, sends[sends < 19.0] / 5.0)
+    assert 3.0 < fill_time(sends.tolist(), ends.tolist(), 0.0, 20.0) < 5.5
