@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import subprocess
 import sys
 import time
@@ -140,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     if store.exists():
         subprocess.run(["rm", "-rf", str(store)], check=True)
     n = make_store(store, duration_s=60.0 if args.quick else 120.0)
+    load_before = os.getloadavg()
     t0 = time.perf_counter()
     models = [profile_model(store, m, quick=True) for m in MODELS]
     total = time.perf_counter() - t0
+    # real-time emulation shares this machine's CPUs: the figures depend on the load
+    load_after = os.getloadavg()
+    load = {"before": load_before, "after": load_after, "cpus": os.cpu_count()}
     doc = {"label": "emulated profiles vs simulated capacity", "gpu": GPU, "trace_calls": n,
-           "total_wall_s": total, "models": models,
+           "total_wall_s": total, "load_average": load, "models": models,
            "summary": {"total_wall_s": total, "under_3_minutes": total < 180.0,
                        "saturation_error_max": max(abs(m["saturation_error"]) for m in models)}}
     (args.out / "profile_time.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
@@ -152,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m['model']}: {m['wall_s']:.1f} s, saturation {m['saturation_emulated']:.3g}/s "
               f"(emulated) vs {m['capacity_simulated']:.3g}/s implied (simulated): "
               f"{m['saturation_error']:+.1%}")
-    print(f"total {total:.1f} s for {len(models)} models (--quick)")
+    print(f"total {total:.1f} s for {len(models)} models (--quick); load average "
+          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after, {os.cpu_count()} CPUs")
     return 0
 
 
