@@ -244,7 +244,7 @@ async def calibrate(source: EngineSource, target: Target, workload: Workload,
         loop = asyncio.get_running_loop()
         before = await engine_metrics(s, target.url)
         t0, cpu0, ecpu0 = loop.time(), time.process_time(), source.cpu_seconds(target)
-        ends = await probe_ends(rep, settings)
+        ends, stop = await probe_ends(rep, settings)
         n = max(1, rep.sent)  # most of a call's cost falls when it is sent (parse, plan)
         wall = loop.time() - t0
         cpu, ecpu1 = time.process_time() - cpu0, source.cpu_seconds(target)
@@ -252,7 +252,8 @@ async def calibrate(source: EngineSource, target: Target, workload: Workload,
     util = 1.0
     if busy in before and busy in after:
         util = min(1.0, max(0.02, (after[busy] - before[busy]) / (wall * target.speedup)))
-    return Calibration(target.speedup, capacity_estimate(ends, settings, target.speedup), util,
+    return Calibration(target.speedup, capacity_estimate(ends, stop, settings, target.speedup),
+                       util,
                        cpu / n, None if ecpu0 is None or ecpu1 is None else (ecpu1 - ecpu0) / n,
                        clock_lag(before, after, wall))
 

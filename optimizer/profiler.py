@@ -275,25 +275,31 @@ class Replayer:
 
 async def probe(rep: Replayer, settings: SweepSettings) -> float:
     """Closed-loop capacity estimate (model calls/s): see :func:`probe_ends`."""
-    return capacity_estimate(await probe_ends(rep, settings), settings, rep.target.speedup)
+    ends, stop = await probe_ends(rep, settings)
+    return capacity_estimate(ends, stop, settings, rep.target.speedup)
 
 
-def capacity_estimate(ends: Sequence[float], settings: SweepSettings, speedup: float) -> float:
-    """Model calls/s completed after the first ``probe_concurrency`` completions (the batch
-    filled), from the sorted completion times (wall s) of a closed-loop probe."""
+def capacity_estimate(ends: Sequence[float], stop: float, settings: SweepSettings,
+                      speedup: float) -> float:
+    """Model calls/s completed from the ``probe_concurrency``-th completion (the batch filled)
+    to ``stop``, from the sorted completion times (wall s) of a closed-loop probe; edges
+    tapered (:func:`tapered_rate`), as an engine finishing a batch a step reads by bursts."""
     lo = min(settings.probe_concurrency, len(ends) // 2)
-    window = max(ends[-1] - ends[lo], 1e-9)
-    return (len(ends) - 1 - lo) / window / speedup
+    return tapered_rate(ends, (ends[lo], stop), 0.5) / speedup
 
 
-async def probe_ends(rep: Replayer, settings: SweepSettings) -> list[float]:
-    """Completion times (wall s, sorted) of a closed-loop probe: ``probe_concurrency`` callers
-    sending the workload's calls in trace order, dependencies ignored, until twice that many
-    completed (the batch filled, then as many again) or a bound."""
+async def probe_ends(rep: Replayer, settings: SweepSettings) -> tuple[list[float], float]:
+    """Completion times (wall s, sorted) of a closed-loop probe, and when it stopped:
+    ``probe_concurrency`` callers sending the workload's calls in trace order, dependencies
+    ignored, until twice that many completed (the batch filled, then as many again), or
+    ``probe_max_s`` passed with a few dozen; either way only once the measured stretch
+    spans three median latencies (several steps of an engine that finishes calls by
+    batches); within a bound."""
     loop = asyncio.get_running_loop()
     n = len(rep.workload.calls)
     concurrency = settings.probe_concurrency
     ends: list[float] = []
+    latencies: list[float] = []
     failures: list[str] = []
     cursor = iter(range(1 << 62))
 
@@ -302,22 +308,29 @@ async def probe_ends(rep: Replayer, settings: SweepSettings) -> list[float]:
             t = await rep.call(next(cursor) % n)
             if t.ok and t.end is not None:
                 ends.append(t.end)
+                latencies.append(t.end - t.sent)
             elif t.error:
                 failures.append(t.error)
                 if len(failures) > 20:
                     return
 
+    def spans_steps(now: float) -> bool:
+        lo = min(concurrency, len(ends) // 2)
+        return now - ends[lo] >= 3.0 * float(np.median(latencies))
+
     start = loop.time()
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
     try:
-        # until enough completions; past probe_max_s a few dozen do; past 4x, give up
-        while loop.time() - start < 4.0 * settings.probe_max_s:
-            if len(ends) >= 2 * concurrency + 20 or len(failures) > 20:
+        while (now := loop.time()) - start < 4.0 * settings.probe_max_s:
+            if len(failures) > 20:
                 break
-            if loop.time() - start > settings.probe_max_s and len(ends) >= 40:
+            enough = len(ends) >= 2 * concurrency + 20 or (
+                now - start > settings.probe_max_s and len(ends) >= 40)
+            if enough and spans_steps(now):
                 break
             await asyncio.sleep(0.05)
     finally:
+        stop = loop.time()
         await _cancel(tasks)
     if len(failures) > 20 or (failures and not ends):
         raise ProfileRunError(f"the engine at {rep.target.url} fails calls: {failures[0]}")
@@ -325,7 +338,7 @@ async def probe_ends(rep: Replayer, settings: SweepSettings) -> list[float]:
     if len(ends) < 40:
         raise ProfileRunError(f"the engine at {rep.target.url} completed {len(ends)} calls in "
                               f"{4 * settings.probe_max_s:g}s: too slow to profile (lower its speedup?)")
-    return ends
+    return ends, stop
 
 
 async def run_point(rep: Replayer, rate: float, settings: SweepSettings, rng: np.random.Generator,
