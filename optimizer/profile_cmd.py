@@ -39,16 +39,13 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemaining
 from rich.table import Table
 
 from optimizer.cli import UsageError
+from optimizer.profile_window import QUICK, SweepSettings, Target, clock_lag
 from optimizer.profiler import (
-    QUICK,
     PointResult,
     ProfileRunError,
     Replayer,
     SweepResult,
-    SweepSettings,
-    Target,
     capacity_estimate,
-    clock_lag,
     engine_metrics,
     probe_ends,
     sweep,

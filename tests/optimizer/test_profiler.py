@@ -16,16 +16,15 @@ import pytest
 from aiohttp import web
 
 from optimizer.cli import main
-from optimizer.profiler import (
-    Replayer,
+from optimizer.profile_window import (
     SweepSettings,
     Target,
     fill_time,
     next_rate,
     send_span,
-    sweep,
     tapered_rate,
 )
+from optimizer.profiler import Replayer, sweep
 from optimizer.profiles import Profile, ProfilePoint, export_json, load_points, save_points
 from optimizer.replay import build_workload, load_workload
 from shared.records import CallRecord
