@@ -111,7 +111,8 @@ def summarise_point(target: Target, model: str, timings: Sequence[CallTiming], w
     if lat.size == 0:
         lat = np.array([math.inf])
     ttft = np.array([c.first - c.sent for c in measured]) * k
-    p50, p90, p99 = (float(x) for x in np.percentile(lat, [50, 90, 99]))
+    p50, p90, p99 = ((math.inf,) * 3 if math.isinf(lat[0]) else  # none finished in time
+                     (float(x) for x in np.percentile(lat, [50, 90, 99])))
     point = ProfilePoint(
         model=model, engine=target.engine, gpu_type=target.gpu_type, tp=target.tp,
         share=target.share, offered_rate=tapered_rate(sent_at, window, taper) / k,
