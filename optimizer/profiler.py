@@ -28,7 +28,9 @@ Invariants:
   its throughput fell well short of the nominal rate (dependency-bound workloads stop sending
   under overload), or its median latency exceeds ``latency_blowup`` x the light-load median,
   or the in-flight bound was hit; a point whose client started groups late (``CLIENT_LATE``)
-  is client-bound instead: it bounds the search, it does not show the engine saturated;
+  is client-bound instead: it bounds the search, it does not show the engine saturated; an
+  overloaded point that was client-bound or whose emulator lagged (``LAG_LIMIT``) is measured
+  once more, and the second reading steers the search (both are kept);
 - the bracket moves on nominal rates; the points keep what was achieved;
 - nothing here knows how the engine was started (see ``optimizer.profile_cmd``).
 """
@@ -63,6 +65,8 @@ from optimizer.profile_window import (
 )
 from optimizer.profiles import FOLLOW_TOLERANCE, ProfilePoint
 from optimizer.replay import Workload, schedule
+
+LAG_LIMIT = 0.05  # an emulator whose clock lagged more during a point read it pessimistic
 
 
 class ProfileRunError(RuntimeError):
@@ -387,6 +391,13 @@ async def sweep(target: Target, workload: Workload, settings: SweepSettings = Sw
             nonlocal kept_up, overloaded, light, hint
             res = await run_point(rep, rate, settings, rng, progress, len(results), light, hint)
             results.append(res)
+            if res.saturated is not None and len(results) < settings.max_points and (
+                    res.client_bound or (res.clock_lag or 0.0) > LAG_LIMIT):
+                # short of CPU (this client, or the emulator's clock): the reading says little
+                # about the engine, so measure the rate once more; both points are kept
+                res = await run_point(rep, rate, settings, rng, progress, len(results), light,
+                                      hint)
+                results.append(res)
             if res.saturated is None:
                 kept_up = max(rate, kept_up or 0.0)
                 if light is None:
