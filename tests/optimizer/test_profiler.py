@@ -211,7 +211,7 @@ def test_profile_emulated_embedder_end_to_end(tmp_path: Path) -> None:
         simulate(alloc, [WorkloadSpec("rag", 4.0)], duration_s=20, record_calls=True, seed=3),
         tmp_path,
     )
-    capacity = implied_capacity(load_workload(tmp_path, "e5-base-v2"), "a6000", calls=2000)
+    capacity = implied_capacity(load_workload(tmp_path, "e5-base-v2"), "a6000")
     save_points(
         tmp_path,
         [
