@@ -61,7 +61,7 @@ class SweepSettings:
     seed: int = 0
 
 
-QUICK = SweepSettings(calls_per_point=600, min_groups_per_point=20, min_point_s=4.0,
+QUICK = SweepSettings(calls_per_point=600, min_groups_per_point=20, min_point_s=2.0,
                       max_point_s=18.0, curve=(0.25, 0.6), resolution=0.06, max_points=6,
                       probe_max_s=4.0)
 
