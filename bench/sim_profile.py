@@ -14,8 +14,7 @@ track its completed ones deep into overload (97% of them at 20% overload); a pil
 calls there holds ``k / p`` requests, against ``started / n`` arriving (``n`` calls per
 request, ``p`` at a time). Counting the whole workflow's backlog instead would blame this
 model for an over-provisioned one's limit (RAG's embedder profiled at 30 000 calls/s needs
-the generator to keep up too). ``backlog_growth`` reads a backlog from the trend of requests
-in the system (the accuracy bench's long capacity runs). ``bracket`` is shared with the
+the generator to keep up too). ``bracket`` is shared with the
 accuracy bench, which finds a whole allocation's maximum throughput the same way. Every figure
 here is *simulated*.
 """
@@ -32,14 +31,13 @@ import numpy as np
 from optimizer.profiles import FOLLOW_TOLERANCE, ProfilePoint
 from shared.records import CallRecord
 from sim.cluster import Allocation, ReplicaSpec
-from sim.des import RequestSpan, SimCall, WorkloadSpec, simulate
+from sim.des import SimCall, WorkloadSpec, simulate
 from sim.workflows import WorkflowParams, models_of
 
 ENGINE = "sim-engine"
 BASE_US = 1_700_000_000_000_000  # simulated t=0 as a wall-clock time
 OVERPROVISION = 6  # replicas of every model that is not being profiled
 REFINE = (0.2, 0.4, 0.6, 0.8, 0.9)  # fractions of the saturation estimate
-LATE = 0.2  # backlog trends skip this fraction of the window: the end of the fill ramp
 
 
 @dataclass(frozen=True)
@@ -94,23 +92,6 @@ def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:
             cached_tokens=c.cached_tokens,
         ).row())
     return rows
-
-
-def backlog_growth(spans: Sequence[RequestSpan], t0: float, t1: float,
-                   skip: float = LATE) -> float:
-    """Growth of the requests in the system per request arriving, over the window
-    ``[t0, t1)`` past its first ``skip`` fraction: the least-squares slope of the in-system
-    count over the arrival rate. ~0 when the system keeps up (a plateau), ``1 - throughput /
-    rate`` in sustained overload."""
-    arrivals = np.array([s.arrival for s in spans])
-    ends = np.array([s.end if s.end >= 0 else np.inf for s in spans])
-    arrived = int(((arrivals >= t0) & (arrivals < t1)).sum())
-    if arrived == 0 or t1 <= t0:
-        return 0.0
-    ts = np.linspace(t0 + skip * (t1 - t0), t1, 256)
-    inside = (arrivals[None, :] <= ts[:, None]) & (ends[None, :] > ts[:, None])
-    slope = float(np.polyfit(ts, inside.sum(axis=1).astype(np.float64), 1)[0])
-    return slope / (arrived / (t1 - t0))
 
 
 def colocated(share: float) -> int:
