@@ -77,8 +77,10 @@ CAP_WARMUP = 0.4  # of the measured window, run before it
 # Latency runs grow until the standard error of the mean is below this (relative), at most
 # LATENCY_GROWTH_CAP times the case's eval_requests.
 LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
-# Workflow requests per profile point at least: keeping up is judged per request too, and a
-# beam request makes ~40 calls of each model.
+# Workflow requests per profile point at least, quick runs too: keeping up is judged by the
+# calls piled up per request (x n/p, ~18 for beam's generator), and 100 beam requests per
+# point read in-flight swings at the window's ends as overload (generator 18 calls/s instead
+# of 59).
 PROFILE_REQUESTS = 300
 QUICK_ALLOCATIONS = 3
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
@@ -259,7 +261,7 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                        target_calls=target, refine=(0.3, 0.6, 0.8) if quick else REFINE,
                        precision=0.08 if quick else 0.04,
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model],
-                       min_requests=PROFILE_REQUESTS // 3 if quick else PROFILE_REQUESTS,
+                       min_requests=PROFILE_REQUESTS,
                        latency_se=0.0 if quick else LATENCY_SE,
                        parallel=stats.models[model].p_agg)
             for model, tp, share in keys]
