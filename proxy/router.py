@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,15 +55,18 @@ class Replica:
 
 
 class PrefixTable:
-    """LRU map from hashed prompt-prefix blocks to the replica URL that last served them.
+    """LRU map from hashed prompt-prefix blocks to the replica URLs that served them.
 
     A prompt is cut into blocks of ``block`` characters (up to ``limit``); block ``i``'s key
     chains the hash of every block before it, so a key match means the whole prefix matched.
+    A block remembers every replica that served it, not only the last: a prefix all requests
+    share (a system prompt) is soon cached on every replica, and following only the last one
+    would herd every new request onto it.
     """
 
     def __init__(self, block: int, limit: int, capacity: int) -> None:
         self.block, self.limit, self.capacity = block, limit, capacity
-        self._map: OrderedDict[int, str] = OrderedDict()
+        self._map: OrderedDict[int, set[str]] = OrderedDict()
 
     def keys(self, text: str) -> list[int]:
         text = text[: self.limit]
@@ -74,18 +77,25 @@ class PrefixTable:
             keys.append(h)
         return keys
 
-    def longest(self, keys: Sequence[int]) -> tuple[str | None, int]:
-        """(URL, number of matched blocks) of the longest remembered prefix."""
+    def longest(self, keys: Sequence[int], usable: Container[str]) -> tuple[list[str], int]:
+        """(URLs, number of matched blocks) of the longest remembered prefix that a ``usable``
+        replica holds; ``([], 0)`` when none holds any."""
         for i in range(len(keys) - 1, -1, -1):
-            url = self._map.get(keys[i])
-            if url is not None:
-                return url, i + 1
-        return None, 0
+            urls = self._map.get(keys[i])
+            if urls:
+                hits = [u for u in urls if u in usable]
+                if hits:
+                    return hits, i + 1
+        return [], 0
 
     def remember(self, keys: Iterable[int], url: str) -> None:
         for key in keys:
-            self._map[key] = url
-            self._map.move_to_end(key)
+            urls = self._map.get(key)
+            if urls is None:
+                self._map[key] = {url}
+            else:
+                urls.add(url)
+                self._map.move_to_end(key)
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
 
@@ -174,14 +184,15 @@ class Router:
 
     def _pick_affine(self, table: PrefixTable, keys: list[int], live: list[Replica]) -> Replica:
         least = min(live, key=lambda r: (r.in_flight, self._rng.random()))
-        url, matched = table.longest(keys)
-        if url is None or matched / len(keys) < self.settings.affinity_min_match:
+        urls, matched = table.longest(keys, {r.url for r in live})
+        if not urls or matched / len(keys) < self.settings.affinity_min_match:
             return least
-        preferred = next((r for r in live if r.url == url), None)
-        if (
-            preferred is None
-            or preferred.in_flight > least.in_flight + self.settings.affinity_slack
-        ):
+        # Among the replicas holding the longest prefix, the least loaded: a shared prefix
+        # spreads, a request's own continuation (held by one replica) sticks.
+        preferred = min(
+            (r for r in live if r.url in urls), key=lambda r: (r.in_flight, self._rng.random())
+        )
+        if preferred.in_flight > least.in_flight + self.settings.affinity_slack:
             return least
         return preferred
 

@@ -51,6 +51,25 @@ def test_prefix_affinity_follows_the_prefix_and_falls_back_when_busy() -> None:
     assert other.in_flight == 0
 
 
+def test_a_prefix_every_replica_holds_spreads_while_continuations_stick() -> None:
+    """A long system prompt shared by every request is cached on every replica after a few
+    requests: new requests that match only it go to the least loaded holder, not all to the
+    replica that happened to serve it last; each request's own continuation stays home."""
+    r = _router(4, policy="prefix_affinity", prefix_block_chars=16, affinity_slack=8)
+    system = "You are a careful math solver. Think step by step and check each step. " * 6
+    homes = {}
+    for i in range(40):  # 40 requests arrive and stay in flight
+        prompt = system + f"Problem {i}: integrate x^{i} from 0 to 1, then simplify. "
+        rep = r.pick("m", prompt)
+        r.acquire(rep)
+        homes[i] = (prompt, rep)
+    loads = sorted(rep.in_flight for rep in r.replicas())
+    assert loads[-1] - loads[0] <= 2, loads  # herding would put ~9 on one before the slack
+    for i in range(0, 40, 7):
+        prompt, home = homes[i]
+        assert r.pick("m", prompt + "step 2 of this problem's own beam") is home
+
+
 def test_ejection_and_probe_return() -> None:
     clock = [0.0]
     r = _router(2, clock, eject_after_failures=2, eject_seconds=5.0, probe_interval_s=1.0)
