@@ -155,12 +155,12 @@ def build_replicas(allocation: Allocation, *, max_num_batched_tokens: int = 8192
 
 class PrefixTable:
     """``proxy.router.PrefixTable`` over a simulated prompt: an LRU map from chained prefix
-    block keys to the replica that last served them. Keys are the prompt's first ``limit``
+    block keys to every replica that served them. Keys are the prompt's first ``limit``
     tokens in blocks of ``block`` (the last one partial, as the proxy cuts text)."""
 
     def __init__(self, block: int, limit: int, capacity: int) -> None:
         self.block, self.limit, self.capacity = block, limit, capacity
-        self._map: OrderedDict[int, Replica] = OrderedDict()
+        self._map: OrderedDict[int, list[Replica]] = OrderedDict()
 
     @classmethod
     def from_settings(cls, s: RoutingSettings) -> PrefixTable:
@@ -185,18 +185,26 @@ class PrefixTable:
             full = [*full, hash((full[-1] if full else 0, tuple(reversed(pieces))))]
         return full
 
-    def longest(self, keys: Sequence[int]) -> tuple[Replica | None, int]:
-        """(replica, number of matched blocks) of the longest remembered prefix."""
+    def longest(self, keys: Sequence[int], pool: Sequence[Replica]) -> tuple[list[Replica], int]:
+        """(replicas of ``pool``, number of matched blocks) of the longest remembered prefix
+        that a replica of ``pool`` holds; ``([], 0)`` when none does."""
         for i in range(len(keys) - 1, -1, -1):
-            rep = self._map.get(keys[i])
-            if rep is not None:
-                return rep, i + 1
-        return None, 0
+            held = self._map.get(keys[i])
+            if held:
+                hits = [r for r in held if r in pool]
+                if hits:
+                    return hits, i + 1
+        return [], 0
 
     def remember(self, keys: Sequence[int], replica: Replica) -> None:
         for key in keys:
-            self._map[key] = replica
-            self._map.move_to_end(key)
+            held = self._map.get(key)
+            if held is None:
+                self._map[key] = [replica]
+            else:
+                if replica not in held:
+                    held.append(replica)
+                self._map.move_to_end(key)
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
 
@@ -245,10 +253,12 @@ class Router:
         keys = table.keys(prompt)
         least = min(pool, key=lambda r: (r.outstanding, self.rng.random()))
         chosen = least
-        preferred, matched = table.longest(keys)
-        if (preferred is not None and matched / len(keys) >= self.settings.affinity_min_match
-                and preferred in pool  # a replica since removed is forgotten, as the proxy does
-                and preferred.outstanding <= least.outstanding + self.settings.affinity_slack):
-            chosen = preferred
+        # Only replicas still in the pool count (a removed one is forgotten, as the proxy
+        # does); among the holders of the longest match, the least loaded.
+        held, matched = table.longest(keys, pool)
+        if held and matched / len(keys) >= self.settings.affinity_min_match:
+            preferred = min(held, key=lambda r: (r.outstanding, self.rng.random()))
+            if preferred.outstanding <= least.outstanding + self.settings.affinity_slack:
+                chosen = preferred
         table.remember(keys, chosen)
         return chosen

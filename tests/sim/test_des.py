@@ -231,6 +231,25 @@ def test_prefix_affinity_mirrors_the_proxy_router() -> None:
     assert len(picks) == 3
 
 
+def test_a_prefix_every_replica_holds_spreads_like_the_proxy() -> None:
+    """As ``proxy.router``: a long system prompt that every replica has served does not herd
+    new requests onto the last replica that served it; a request's own continuation sticks."""
+    import random
+
+    replicas = build_replicas(Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 4)))
+    router = Router(replicas, "prefix_affinity", random.Random(0))
+    homes = []
+    for i in range(40):  # system prompt of 400 tokens, then each request's own 60
+        prompt = Prompt(1, 400).extend(1000 + i, 60)
+        rep = router.pick("llama-3.2-1b", i, prompt)
+        rep.outstanding += 1
+        homes.append((prompt, rep))
+    loads = sorted(r.outstanding for r in replicas)
+    assert loads[-1] - loads[0] <= 2, loads
+    for prompt, home in homes[::7]:
+        assert router.pick("llama-3.2-1b", 0, prompt.extend(7, 40)) is home
+
+
 def test_prefix_table_cuts_prompts_like_the_proxy() -> None:
     from sim.cluster import PrefixTable
 
