@@ -49,6 +49,7 @@ import numpy as np
 import orjson
 
 from bench.sim_profile import (
+    PROFILE_REQUESTS,
     REFINE,
     Case,
     ProfileJob,
@@ -77,11 +78,6 @@ CAP_WARMUP = 0.4  # of the measured window, run before it
 # Latency runs grow until the standard error of the mean is below this (relative), at most
 # LATENCY_GROWTH_CAP times the case's eval_requests.
 LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
-# Workflow requests per profile point at least, quick runs too: keeping up is judged by the
-# calls piled up per request (x n/p, ~18 for beam's generator), and 100 beam requests per
-# point read in-flight swings at the window's ends as overload (generator 18 calls/s instead
-# of 59).
-PROFILE_REQUESTS = 300
 QUICK_ALLOCATIONS = 3
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
 

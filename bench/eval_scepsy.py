@@ -38,7 +38,7 @@ from bench.eval_setup import (
     memory_floor_bytes,
     workflow_models,
 )
-from bench.sim_profile import REFINE, Case, ProfileJob, run_profile
+from bench.sim_profile import PROFILE_REQUESTS, REFINE, Case, ProfileJob, run_profile
 from optimizer.alp import ModelAlloc, Pipeline, predict
 from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.search import search_and_place
@@ -116,7 +116,10 @@ def _jobs(kind: str, stats: WorkflowStats, per_busy: Mapping[str, float],
     case = Case(kind, BEAM if kind == "beam" else RAG, GPU, rate, n, 0, profile_calls=calls)
     return [ProfileJob(case, m, tp, share, n_per_request=stats.models[m].n, target_calls=calls,
                        start_rate=0.5 * share * per_busy[m],
-                       refine=(0.5, 0.8, 0.9) if quick else REFINE)
+                       refine=(0.5, 0.8, 0.9) if quick else REFINE,
+                       # as the accuracy bench profiles: enough requests per point, and
+                       # keeping up judged per request for chained calls (beam search)
+                       min_requests=PROFILE_REQUESTS, parallel=stats.models[m].p_agg)
             for m in workflow_models(kind) for tp, share in PROFILE_KEYS[m]]
 
 

@@ -37,6 +37,11 @@ from sim.workflows import WorkflowParams, models_of
 ENGINE = "sim-engine"
 BASE_US = 1_700_000_000_000_000  # simulated t=0 as a wall-clock time
 OVERPROVISION = 6  # replicas of every model that is not being profiled
+# Workflow requests per profile point at least, quick runs too: keeping up is judged by the
+# calls piled up per request (x n/p, ~18 for beam's generator), and 100 beam requests per
+# point read in-flight swings at the window's ends as overload (generator 18 calls/s instead
+# of 59).
+PROFILE_REQUESTS = 300
 REFINE = (0.2, 0.4, 0.6, 0.8, 0.9)  # fractions of the saturation estimate
 
 
