@@ -2,11 +2,11 @@
 
 Role: ``sim.des.simulate`` runs one fixed allocation; the autoscaler baseline and the daemon
 scenario of ``bench.evaluate`` need replicas that start and stop while requests are in flight.
-:class:`DynamicSimulation` extends the simulator's event loop (``sim.des._Simulation``; there
-is no public hook, see the report) with control events: a controller ticks every
-``interval_s`` simulated seconds and may start replicas (serving after ``cold_start_s``), retire
-replicas (no new calls; in-flight calls finish: a drain) and change a workload's rate. Queues,
-caches and in-flight requests carry over, so oscillation shows.
+:class:`DynamicSimulation` drives the simulator through its run-time hook
+(``sim.des.Simulation.at`` / ``add_replicas`` / ``withdraw`` / ``set_rate``): a controller ticks
+every ``interval_s`` simulated seconds and may start replicas (serving after ``cold_start_s``),
+retire replicas (no new calls; in-flight calls finish: a drain) and change a workload's rate.
+Queues, caches and in-flight requests carry over, so oscillation shows.
 
 :class:`Hpa` is the Kubernetes HorizontalPodAutoscaler (autoscaling/v2 defaults) per model:
 whole GPUs, TP 1; metric: GPU utilisation (busy fraction of the last sync period, what DCGM's
@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sim.cluster import Allocation, Replica, ReplicaSpec, build_replicas
-from sim.des import SimResult, WorkloadSpec, _result, _Simulation, simulate
+from sim.des import SimResult, Simulation, WorkloadSpec, simulate
 
 __all__ = ["Controller", "DynamicSimulation", "Hpa", "HpaSettings", "run_dynamic"]
 
 ENGINE_KW: dict[str, Any] = {"max_num_batched_tokens": 8192, "max_num_seqs": 256,
                              "enable_prefix_caching": True}
-_RESUME = 2  # sim.des's event kind for resuming a workflow generator (we add callables)
 # Route as the static points do: sim.des.simulate's default is the product proxy's policy.
 ROUTING = inspect.signature(simulate).parameters["routing"].default
 
@@ -50,13 +49,6 @@ class Controller(Protocol):
 
 
 @dataclass
-class _Control:
-    """A control event on the simulator's heap."""
-
-    fire: Callable[[], None]
-
-
-@dataclass
 class Change:
     t: float
     kind: str  # "start" | "ready" | "retire" | "rate"
@@ -65,7 +57,7 @@ class Change:
     detail: str = ""
 
 
-class DynamicSimulation(_Simulation):
+class DynamicSimulation(Simulation):
     """The simulator with control events (see the module docstring)."""
 
     def __init__(self, allocation: Allocation, workloads: Sequence[WorkloadSpec], seed: int,
@@ -80,23 +72,13 @@ class DynamicSimulation(_Simulation):
         self.changes: list[Change] = []
         self._generation = 0
         self._serial = len(self.replicas)
-        self.push(controller.interval_s, _RESUME, _Control(self._tick))
-
-    # the event loop calls advance() for _RESUME payloads: control events ride on it
-    def advance(self, run: Any) -> None:
-        if isinstance(run, _Control):
-            run.fire()
-            return
-        super().advance(run)
+        self.at(controller.interval_s, self._tick)
 
     def _tick(self) -> None:
         self.controller.tick(self)
-        self.push(self.now + self.controller.interval_s, _RESUME, _Control(self._tick))
+        self.at(self.now + self.controller.interval_s, self._tick)
 
-    # --- what controllers see and do -----------------------------------------------------
-    def serving(self, model: str) -> list[Replica]:
-        return list(self.router.by_model.get(model, []))
-
+    # --- what controllers see and do (besides ``serving`` and ``at``) --------------------
     def draining(self) -> list[Replica]:
         self.retired = [r for r in self.retired if r.outstanding > 0 or r.engine.has_work()]
         return self.retired
@@ -119,14 +101,13 @@ class DynamicSimulation(_Simulation):
             live = [r for r in fresh if r in self.starting]
             for r in live:
                 self.starting.remove(r)
-                self.replicas.append(r)
-                self.router.by_model.setdefault(r.spec.model, []).append(r)
+            self.add_replicas(live)
             for model, n in _counts(live).items():
                 self.changes.append(Change(self.now, "ready", model, n))
             if then is not None:
                 then(live)
 
-        self.push(self.now + self.cold_start_s, _RESUME, _Control(ready))
+        self.at(self.now + self.cold_start_s, ready)
         return fresh
 
     def cancel(self, replica: Replica) -> None:
@@ -136,22 +117,14 @@ class DynamicSimulation(_Simulation):
 
     def retire(self, replicas: Sequence[Replica]) -> None:
         """No new calls for ``replicas``; they finish what they hold."""
-        for r in replicas:
-            pool = self.router.by_model[r.spec.model]
-            if r in pool and len(pool) > 1:
-                pool.remove(r)
-                self.retired.append(r)
+        self.retired += [r for r in replicas if self.withdraw(r)]
         for model, n in _counts(list(replicas)).items():
             self.changes.append(Change(self.now, "retire", model, n))
 
-    def at(self, t: float, fire: Callable[[], None]) -> None:
-        """Run ``fire`` at simulated time ``t``."""
-        self.push(t, _RESUME, _Control(fire))
-
     def set_rate(self, index: int, rate: float) -> None:
-        w = self.workloads[index]
-        self.workloads[index] = WorkloadSpec(w.workflow, rate, w.params, w.name)
-        self.changes.append(Change(self.now, "rate", w.label, 0, f"{rate:.4g}/s"))
+        super().set_rate(index, rate)
+        self.changes.append(Change(self.now, "rate", self.workloads[index].label, 0,
+                                   f"{rate:.4g}/s"))
 
 
 def _counts(replicas: Sequence[Replica]) -> dict[str, int]:
@@ -165,7 +138,7 @@ def run_dynamic(sim: DynamicSimulation, duration_s: float, warmup_s: float,
                 drain_s: float) -> SimResult:
     wall = time.perf_counter()
     window_end = sim.run(duration_s, None, drain_s)
-    return _result(sim, warmup_s, window_end, time.perf_counter() - wall)
+    return sim.result(warmup_s, window_end, time.perf_counter() - wall)
 
 
 @dataclass(frozen=True)

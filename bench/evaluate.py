@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,30 @@ def _cost(job: PointJob) -> float:
     return per_s * span
 
 
+def _run_points(pool: ProcessPoolExecutor, jobs: Sequence[PointJob]) -> list[dict[str, Any]]:
+    """Every point, longest first, with progress on stderr about every tenth of them."""
+    started = time.perf_counter()
+    futures = {pool.submit(run_point, jobs[i]): i
+               for i in sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))}
+    done: dict[int, dict[str, Any]] = {}
+    step = max(1, len(jobs) // 10)
+    for fut in as_completed(futures):
+        done[futures[fut]] = fut.result()
+        if len(done) % step == 0 or len(done) == len(jobs):
+            print(f"[evaluate] points {len(done)}/{len(jobs)} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    return [done[i] for i in range(len(jobs))]
+
+
+def _point_wall(points: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Simulation seconds spent per workflow, cluster size and system (where the time goes)."""
+    out: dict[str, float] = {}
+    for p in points:
+        key = f"{p['workflow']}/{p['gpus']}/{p['system']}"
+        out[key] = round(out.get(key, 0.0) + p["wall_s"], 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -131,10 +155,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     fractions = tuple(args.rates or (QUICK_RATE_FRACTIONS if args.quick else RATE_FRACTIONS))
     args.out.mkdir(parents=True, exist_ok=True)
     phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:
+        """Record the phase that just ended, and say so on stderr (long runs show progress)."""
+        phases[name] = time.perf_counter() - started - sum(phases.values())
+        print(f"[evaluate] {name}: {phases[name]:.1f} s (total "
+              f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         k = learn(pool, lengths.profile_calls, args.quick, args.out / "knowledge.json",
                   args.reuse_profiles)
-        phases["trace_and_profile"] = time.perf_counter() - started
+        phase("trace_and_profile")
         jobs: list[PointJob] = []
         sweeps: dict[str, Any] = {}
         for gpus in sizes:
@@ -142,15 +173,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 js, info = _jobs(k, gpus, kind, fractions, lengths, SYSTEMS)
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
-        phases["plan"] = time.perf_counter() - started - sum(phases.values())
-        order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
-        done = dict(zip(order, pool.map(run_point, [jobs[i] for i in order]), strict=True))
-        points = [done[i] for i in range(len(jobs))]
-        phases["points"] = time.perf_counter() - started - sum(phases.values())
+        phase("plan")
+        points = _run_points(pool, jobs)
+        phase("points")
         dynamic = None
         if not args.no_dynamic:
             dynamic = scenario(k, pool, DYNAMIC_GPUS, args.quick)
-            phases["dynamic"] = time.perf_counter() - started - sum(phases.values())
+            phase("dynamic")
     summary, shortfalls = summarise(points)
     wall = time.perf_counter() - started
     meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
@@ -164,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "summary": summary, "shortfalls": shortfalls, "sweeps": sweeps,
               "points": points, "dynamic": dynamic, "knowledge": knowledge_doc(k),
               "plots": plots, "wall_s": round(wall, 1),
-              "phase_s": {p: round(v, 1) for p, v in phases.items()}}
+              "phase_s": {p: round(v, 1) for p, v in phases.items()},
+              "point_wall_s": _point_wall(points)}
     (args.out / "evaluation.json").write_bytes(orjson.dumps(
         report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
         | orjson.OPT_NON_STR_KEYS))

@@ -13,6 +13,10 @@ Invariants:
 - requests arriving in ``[warmup_s, horizon)`` are measured; the run drains started requests
   for at most ``drain_s`` past the last arrival, and counts the unfinished as failed;
 - a call the engine refuses (too long for the model or the KV cache) fails its request.
+
+Run-time changes (autoscalers, controllers): build a :class:`Simulation`, schedule callables
+with :meth:`Simulation.at`; they may add replicas, withdraw them from routing (in-flight calls
+finish: a drain) and change a workload's rate while requests are in flight.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,17 +47,8 @@ from sim.workflows import (
     start_workflow,
 )
 
-__all__ = [
-    "LatencyStats",
-    "ReplicaResult",
-    "RequestSpan",
-    "SimCall",
-    "SimResult",
-    "WorkflowResult",
-    "WorkloadSpec",
-    "simulate",
-    "simulate_requests",
-]
+__all__ = ["LatencyStats", "ReplicaResult", "RequestSpan", "SimCall", "SimResult", "Simulation",
+           "WorkflowResult", "WorkloadSpec", "simulate", "simulate_requests"]
 
 LABEL = "simulated"
 _DEFAULTS: dict[str, WorkflowParams] = {"beam": BeamParams(), "rag": RagParams(),
@@ -104,16 +99,19 @@ class _CallState:
     cached: int = 0
 
 
-_ARRIVAL, _STEP_END, _RESUME, _RUN_END = 0, 1, 2, 3
+_ARRIVAL, _STEP_END, _RESUME, _RUN_END, _CONTROL = 0, 1, 2, 3, 4
 _MIN_RUN = 2  # decode steps worth fast-forwarding as one event
 
 
-class _Simulation:
-    def __init__(self, allocation: Allocation, workloads: Sequence[WorkloadSpec], seed: int,
-                 routing: RoutingPolicy, record_calls: bool, fast_forward: bool,
-                 engine_kw: dict[str, Any]) -> None:
+class Simulation:
+    """The event loop (``simulate`` runs one to the end; see the module docstring for changes
+    at run time). ``engine_kw``: ``sim.cluster.build_replicas``' engine settings."""
+
+    def __init__(self, allocation: Allocation, workloads: Sequence[WorkloadSpec], seed: int = 0,
+                 routing: RoutingPolicy = "prefix_affinity", record_calls: bool = False,
+                 fast_forward: bool = True, engine_kw: dict[str, Any] | None = None) -> None:
         self.fast_forward = fast_forward
-        self.replicas = build_replicas(allocation, **engine_kw)
+        self.replicas = build_replicas(allocation, **(engine_kw or {}))
         self.router = Router(self.replicas, routing, random.Random(seed))
         self.workloads = list(workloads)
         self.params = [w.resolved() for w in self.workloads]
@@ -136,6 +134,41 @@ class _Simulation:
 
     def push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
+
+    # --- run-time changes (the public hook) ---------------------------------------------
+    def at(self, t: float, fire: Callable[[], None]) -> None:
+        """Call ``fire()`` at simulated time ``t`` (it may schedule more with ``at``)."""
+        self.push(t, _CONTROL, fire)
+
+    def serving(self, model: str) -> list[Replica]:
+        """The replicas new calls of ``model`` are routed to."""
+        return list(self.router.by_model.get(model, []))
+
+    def add_replicas(self, replicas: Sequence[Replica]) -> None:
+        """Route calls to ``replicas`` too (from ``build_replicas``: co-location contention
+        is modelled among replicas built together only)."""
+        for r in replicas:
+            self.replicas.append(r)
+            self.router.by_model.setdefault(r.spec.model, []).append(r)
+
+    def withdraw(self, replica: Replica) -> bool:
+        """Route no new calls to ``replica``; it finishes what it holds. A model keeps its
+        last serving replica (False: not withdrawn)."""
+        pool = self.router.by_model.get(replica.spec.model, [])
+        if replica not in pool or len(pool) < 2:
+            return False
+        pool.remove(replica)
+        return True
+
+    def set_rate(self, index: int, rate: float) -> None:
+        """Workload ``index``'s rate from its next arrival on (a workload that started at rate
+        0 has no next arrival)."""
+        w = self.workloads[index]
+        self.workloads[index] = WorkloadSpec(w.workflow, rate, w.params, w.name)
+
+    def result(self, warmup_s: float, window_end: float, wall_s: float = 0.0) -> SimResult:
+        """The figures of a finished :meth:`run` (``window_end``: what it returned)."""
+        return _result(self, warmup_s, window_end, wall_s)
 
     # --- workflow requests --------------------------------------------------------------
     def start_run(self, w: int, index: int) -> None:
@@ -291,6 +324,8 @@ class _Simulation:
                 self.end_step(*payload)
             elif kind == _RUN_END:
                 self.end_run(*payload)
+            elif kind == _CONTROL:
+                payload()
             elif kind == _ARRIVAL:
                 if t >= horizon or (n_requests is not None and started >= n_requests):
                     if deadline == math.inf:
@@ -350,10 +385,10 @@ def simulate_requests(
     if duration_s is None and n_requests is None:
         raise ValueError("give duration_s or n_requests")
     wall = time.perf_counter()
-    sim = _Simulation(allocation, workloads, seed, routing, record_calls, fast_forward,
-                      {"max_num_batched_tokens": max_num_batched_tokens,
-                       "max_num_seqs": max_num_seqs,
-                       "enable_prefix_caching": enable_prefix_caching})
+    sim = Simulation(allocation, workloads, seed, routing, record_calls, fast_forward,
+                     {"max_num_batched_tokens": max_num_batched_tokens,
+                      "max_num_seqs": max_num_seqs,
+                      "enable_prefix_caching": enable_prefix_caching})
     horizon = duration_s if duration_s is not None else math.inf
     window_end = sim.run(horizon, n_requests, drain_s)
     if window_end == math.inf:  # the arrivals never stopped: n_requests not reached
@@ -363,7 +398,7 @@ def simulate_requests(
     return _result(sim, warmup_s, window_end, time.perf_counter() - wall), spans
 
 
-def _result(sim: _Simulation, warmup_s: float, window_end: float, wall_s: float) -> SimResult:
+def _result(sim: Simulation, warmup_s: float, window_end: float, wall_s: float) -> SimResult:
     span = max(window_end - warmup_s, 1e-9)
     workflows: dict[str, WorkflowResult] = {}
     for w, spec in enumerate(sim.workloads):

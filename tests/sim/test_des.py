@@ -11,7 +11,7 @@ import pytest
 
 from shared.store import StoreReader
 from sim.cluster import Allocation, Router, build_replicas, place
-from sim.des import SimResult, WorkflowResult, WorkloadSpec, simulate
+from sim.des import SimResult, Simulation, WorkflowResult, WorkloadSpec, simulate
 from sim.engine import EngineRequest
 from sim.perf import perf_model
 from sim.trace import call_rows, write_trace
@@ -274,3 +274,40 @@ def test_default_routing_keeps_a_beam_on_its_replica_and_its_prefix_cache() -> N
             default = simulate(alloc, work, n_requests=12, seed=3)
             assert default.workflows == res.workflows
     assert hits["prefix_affinity"] > 1.1 * hits["p2c"]
+
+
+def test_run_time_hook_adds_withdraws_replicas_and_changes_rates() -> None:
+    one = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1, 0.3, 1),
+                        ("llama-3-8b", "a6000", 1, 1.0, 1))
+    sim = Simulation(one, [WorkloadSpec("rag", 2.0)], seed=4, record_calls=True)
+    first = sim.serving("llama-3-8b")[0]
+    extra = build_replicas(Allocation.of(("llama-3-8b", "a6000", 1, 1.0, 1)))
+    for r in extra:
+        r.name = "llama-3-8b/late"
+    fired: list[float] = []
+
+    def grow() -> None:
+        fired.append(sim.now)
+        sim.add_replicas(extra)
+
+    def shrink() -> None:
+        fired.append(float(sim.withdraw(first)))
+        sim.set_rate(0, 0.5)
+
+    sim.at(20.0, grow)
+    # the last serving replica stays; once a second one serves, the first one drains
+    sim.at(10.0, lambda: fired.append(float(sim.withdraw(first))))
+    sim.at(40.0, shrink)
+    end = sim.run(80.0, None, 60.0)
+    assert fired == [0.0, 20.0, 1.0]
+    assert sim.serving("llama-3-8b") == extra
+    chat = [c for c in sim.trace if c.call.model == "llama-3-8b"]
+    late = [c for c in chat if c.replica == "llama-3-8b/late"]
+    assert late and min(c.t_start for c in late) >= 20.0
+    assert not [c for c in chat if c.replica != "llama-3-8b/late" and c.t_start > 40.0]
+    # the rate drop: arrivals per second before and after 40 s
+    before = sum(1 for r in sim.runs if r.arrival < 40.0) / 40.0
+    after = sum(1 for r in sim.runs if r.arrival >= 40.0) / 40.0
+    assert before > 1.4 and after < 1.0
+    res = sim.result(0.0, end)
+    assert res.workflows["rag"].failed == 0 and len(res.replicas) == 4
