@@ -12,11 +12,16 @@ when calls to different LLMs run at once, so their stage latencies must not simp
 and the gaps inside a request's span that no call covers give the non-LLM ``tool_time``. A
 workflow whose requests split into two populations by share is flagged (``bimodal``).
 
-Data flow: :mod:`optimizer.stats_scan` reads the store once in DuckDB (scan, retry
-de-duplication, per-request grouping, one single-key sort) and hands back compact arrays;
-:mod:`optimizer.stats_union` computes interval unions in linear numpy passes; this module turns
-those into per-workflow and per-model figures (vectorised over requests and (request, model)
-segments; Python loops only over workflows and models).
+Data flow: :mod:`optimizer.stats_scan` groups the store's calls in DuckDB (retry
+de-duplication, per request and per (request, model) sums) and hands back compact arrays, with
+the calls of a hash sample of requests (every request unless there are more than about
+``UNION_CALLS_CAP`` calls) sorted for :mod:`optimizer.stats_union`'s interval unions; this
+module turns those into per-workflow and per-model figures (vectorised over requests and
+(request, model) segments; Python loops only over workflows and models). Counts, durations,
+spans, shares and their CVs are exact over every completed request; the union-based figures
+(critical path, stage sum, overlap, tool time, and per model ``p``, ``p_agg``, ``busy_mean``)
+are means over the sample: tens of thousands of requests at the cap, where the sampling error
+is far below what traffic itself varies by, and sorting every call would cost seconds.
 
 Invariants:
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
@@ -42,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from optimizer.modality import Split, bimodal_split
-from optimizer.stats_scan import Bounds, Histogram, Scan, scan
+from optimizer.stats_scan import UNION_CALLS_CAP, Bounds, Histogram, Scan, scan
 from optimizer.stats_union import (
     Segments,
     mean_of,
@@ -55,6 +60,8 @@ from shared.store import StoreReader
 
 US = 1_000_000.0
 F64 = npt.NDArray[np.float64]
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +126,10 @@ class WorkflowStats:
     tool_time_mean: float  # mean time inside the span not covered by any call (s)
     models: Mapping[str, ModelStats]
     bimodal: Bimodality | None
+    # Completed requests the union-based figures (critical path, stage sum, overlap, tool
+    # time; per model p, p_agg, busy_mean) were computed over: all of them unless the window
+    # held more than the union cap's calls, then a uniform hash sample.
+    union_requests: int = 0
 
 
 def _cv(mean: float, mean_sq: float) -> float:
@@ -128,40 +139,58 @@ def _cv(mean: float, mean_sq: float) -> float:
 
 
 def summarise(
-    con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, window: Window = Window()
+    con: duckdb.DuckDBPyConnection,
+    calls: duckdb.DuckDBPyRelation,
+    window: Window = Window(),
+    union_cap: int | None = UNION_CALLS_CAP,
 ) -> dict[str, WorkflowStats]:
-    """Statistics per workflow over ``window`` from ``calls`` (a relation on ``con``)."""
+    """Statistics per workflow over ``window`` from ``calls`` (a relation on ``con``). The
+    union-based figures come from a hash sample of requests holding about ``union_cap`` calls
+    at most (``None``: all of them; ``WorkflowStats.union_requests`` says how many)."""
     hi = None if window.t_to_us is None else window.t_to_us - window.settle_us
-    got = scan(con, calls, Bounds(lo=window.t_from_us, t_to=window.t_to_us, hi=hi))
+    got = scan(con, calls, Bounds(lo=window.t_from_us, t_to=window.t_to_us, hi=hi), union_cap)
     return _assemble(got, window, hi)
+
+
+def _sample_unions(got: Scan, req_wf: npt.NDArray[np.int64]) -> tuple[I64, I64, Segments]:
+    """The sampled requests (indices), the union of each one's calls, and their per-pair
+    segments with unions (``request`` as indices into all requests)."""
+    sampled = np.flatnonzero(got.req_sampled)
+    offsets = got.req_off[sampled]
+    a, b = got.call_a, got.call_b
+    starts = request_starts(a, offsets)
+    scratch = np.empty_like(b)
+    u_all = request_unions(a, b, starts, scratch)
+    wf_s = req_wf[sampled]
+    of_wf = [np.flatnonzero(wf_s == w) for w in range(len(got.workflows))]
+    seg = segments(got.call_pair, a, b, offsets, [of_wf[w] for w, _ in got.pairs], scratch)
+    seg = Segments(seg.pair, sampled[seg.request].astype(np.int32), seg.calls, seg.dur, seg.union)
+    return sampled, u_all, seg
 
 
 def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowStats]:
     n_wf = len(got.workflows)
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
-    pair, a, b = got.call_pair, got.call_a, got.call_b
-    starts = request_starts(a, got.req_off)
-    scratch = np.empty_like(b)
-    u_all = request_unions(a, b, starts, scratch).astype(np.float64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
-    of_wf = [np.flatnonzero(req_wf == w) for w in range(n_wf)]
-    seg = segments(pair, a, b, got.req_off, [of_wf[w] for w, _ in got.pairs], scratch)
-    del scratch
+    sampled, u_all, useg = _sample_unions(got, req_wf)
     n_req = np.bincount(req_wf, minlength=n_wf)
+    n_smp = np.bincount(req_wf[sampled], minlength=n_wf)
     span = (got.req_t1 - got.req_t0).astype(np.float64)
-    u_sum = np.bincount(seg.request, weights=seg.union, minlength=starts.size).astype(np.float64)
+    u_sum = np.bincount(useg.request, weights=useg.union, minlength=span.size)[sampled]
 
-    def per_wf(x: F64) -> F64:
-        return np.bincount(req_wf, weights=x, minlength=n_wf).astype(np.float64)
+    def per_wf(x: npt.ArrayLike, which: npt.NDArray[np.int64] | None = None) -> F64:
+        keys = req_wf if which is None else req_wf[which]
+        return np.bincount(keys, weights=x, minlength=n_wf).astype(np.float64)
 
-    sum_span, sum_span_sq, sum_u_all, sum_u_sum = (
-        per_wf(span), per_wf(span * span), per_wf(u_all), per_wf(u_sum))
-    models = _models(got, seg, n_req)
-    bimodal = _bimodality(got, seg, wf_of_pair, n_req)
+    sum_span, sum_span_sq = per_wf(span), per_wf(span * span)
+    sum_u_all, sum_u_sum = per_wf(u_all.astype(np.float64), sampled), per_wf(u_sum, sampled)
+    sum_tool = per_wf(span[sampled] - u_all, sampled)
+    models = _models(got, useg, n_req, n_smp)
+    bimodal = _bimodality(got, n_req)
     out: dict[str, WorkflowStats] = {}
     lo = window.t_from_us
     for w, wf in enumerate(got.workflows):
-        n = int(n_req[w])
+        n, n_s = int(n_req[w]), int(n_smp[w])
         if n == 0:
             if got.unidentified[w]:  # every call lacked a request id: still show its count
                 out[wf] = WorkflowStats(
@@ -169,6 +198,7 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
                     unidentified_calls=int(got.unidentified[w]), latency_mean=math.nan,
                     latency_cv=math.nan, critical_path_mean=math.nan, stage_sum_mean=math.nan,
                     overlap_factor=1.0, tool_time_mean=math.nan, models={}, bimodal=None,
+                    union_requests=0,
                 )
             continue
         n_arr = int(got.arrivals[w])
@@ -177,7 +207,8 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
             rate_den, rate_num = float(t0.max() - t0.min()), n_arr - 1
         else:
             rate_den, rate_num = float(hi - lo), n_arr
-        span_mean, u_all_mean, u_sum_mean = sum_span[w] / n, sum_u_all[w] / n, sum_u_sum[w] / n
+        span_mean = sum_span[w] / n
+        u_all_mean, u_sum_mean = sum_u_all[w] / n_s, sum_u_sum[w] / n_s
         out[wf] = WorkflowStats(
             workflow=wf,
             requests=n,
@@ -190,43 +221,49 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
             critical_path_mean=float(u_all_mean) / US,
             stage_sum_mean=float(u_sum_mean) / US,
             overlap_factor=float(u_all_mean / u_sum_mean) if u_sum_mean else 1.0,
-            tool_time_mean=float(span_mean - u_all_mean) / US,
+            tool_time_mean=float(sum_tool[w] / n_s) / US,
             models=dict(sorted(models.get(w, {}).items())),
             bimodal=bimodal.get(w),
+            union_requests=n_s,
         )
     return dict(sorted(out.items()))
 
 
-def _shares(got: Scan, seg: Segments) -> F64:
-    """Each segment's share of its request's summed LLM time (``nan`` where that is 0)."""
-    total = got.req_dur[seg.request].astype(np.float64)
+def _shares(got: Scan) -> F64:
+    """Each exact segment's share of its request's summed LLM time (``nan`` where that is 0)."""
+    total = got.req_dur[got.seg_request].astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(total != 0, seg.dur / total, np.nan)
+        return np.where(total != 0, got.seg_dur / total, np.nan)
 
 
 def _models(
-    got: Scan, seg: Segments, n_req: npt.NDArray[np.int64]
+    got: Scan, useg: Segments, n_req: npt.NDArray[np.int64], n_smp: npt.NDArray[np.int64]
 ) -> dict[int, dict[str, ModelStats]]:
+    """Per workflow and model: counts, durations and shares over every completed request;
+    ``p``, ``p_agg`` and ``busy_mean`` over the union sample (``useg``)."""
     n_pairs = len(got.pairs)
-    share = _shares(got, seg)
+    share = _shares(got)
     known = ~np.isnan(share)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p_seg = np.where(seg.union != 0, seg.dur / seg.union, np.nan)
+        p_seg = np.where(useg.union != 0, useg.dur / useg.union, np.nan)
     p_known = ~np.isnan(p_seg)
 
-    def per_pair(x: npt.ArrayLike | None = None, mask: npt.NDArray[np.bool_] | None = None) -> F64:
-        keys = seg.pair if mask is None else seg.pair[mask]
+    def per_pair(keys: I32, x: npt.ArrayLike | None = None,
+                 mask: npt.NDArray[np.bool_] | None = None) -> F64:
+        keys = keys if mask is None else keys[mask]
         weights = None if x is None else np.asarray(x)[mask] if mask is not None else x
         return np.bincount(keys, weights=weights, minlength=n_pairs).astype(np.float64)
 
-    calls, req_calling, dur, union = (
-        per_pair(seg.calls), per_pair(), per_pair(seg.dur), per_pair(seg.union))
-    p_sum, p_n = per_pair(p_seg, p_known), per_pair(None, p_known)
-    share_sum, share_sq = per_pair(share, known), per_pair(share * share, known)
+    calls, req_calling = per_pair(got.seg_pair, got.seg_calls), per_pair(got.seg_pair)
+    dur = per_pair(got.seg_pair, got.seg_dur)
+    share_sum = per_pair(got.seg_pair, share, known)
+    share_sq = per_pair(got.seg_pair, share * share, known)
+    s_dur, s_union = per_pair(useg.pair, useg.dur), per_pair(useg.pair, useg.union)
+    p_sum, p_n = per_pair(useg.pair, p_seg, p_known), per_pair(useg.pair, None, p_known)
     out: dict[int, dict[str, ModelStats]] = {}
     for pair in np.flatnonzero(req_calling):
         w, model = got.pairs[pair]
-        n = int(n_req[w])
+        n, n_s = int(n_req[w]), int(n_smp[w])
         share_mean = float(share_sum[pair]) / n
         out.setdefault(w, {})[model] = ModelStats(
             model=model,
@@ -234,9 +271,9 @@ def _models(
             requests_calling=int(req_calling[pair]),
             n=float(calls[pair]) / n,
             p=float(p_sum[pair] / p_n[pair]) if p_n[pair] else math.nan,
-            p_agg=float(dur[pair] / union[pair]) if union[pair] else math.nan,
+            p_agg=float(s_dur[pair] / s_union[pair]) if s_union[pair] else math.nan,
             latency_mean=float(dur[pair]) / float(calls[pair]) / US,
-            busy_mean=float(union[pair]) / n / US,
+            busy_mean=float(s_union[pair]) / n_s / US if n_s else math.nan,
             share_mean=share_mean,
             share_cv=_cv(share_mean, float(share_sq[pair]) / n),
             prompt_tokens=_tokens(got.prompt, int(pair)),
@@ -255,15 +292,14 @@ def _tokens(hist: Histogram, pair: int) -> TokenStats:
     )
 
 
-def _bimodality(
-    got: Scan, seg: Segments, wf_of_pair: npt.NDArray[np.int64], n_req: npt.NDArray[np.int64]
-) -> dict[int, Bimodality]:
+def _bimodality(got: Scan, n_req: npt.NDArray[np.int64]) -> dict[int, Bimodality]:
     """Per workflow, the model whose per-request share splits most cleanly in two, if any."""
-    share = _shares(got, seg)
-    present = np.unique(seg.pair)
+    share = _shares(got)
+    wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
+    present = np.unique(got.seg_pair)
     models_in = np.bincount(wf_of_pair[present], minlength=len(got.workflows))
     best: dict[int, Bimodality] = {}
-    bounds = np.asarray(np.searchsorted(seg.pair, np.r_[present, len(got.pairs)]), np.int64)
+    bounds = np.asarray(np.searchsorted(got.seg_pair, np.r_[present, len(got.pairs)]), np.int64)
     for i, pair in enumerate(present):
         w, model = got.pairs[int(pair)]
         if models_in[w] < 2:
@@ -279,13 +315,17 @@ def _bimodality(
 
 
 def summarise_store(
-    store: str | Path, window: Window = Window(), lookback_us: int = 600 * 1_000_000
+    store: str | Path,
+    window: Window = Window(),
+    lookback_us: int = 600 * 1_000_000,
+    union_cap: int | None = UNION_CALLS_CAP,
 ) -> dict[str, WorkflowStats]:
     """Read the store and summarise. Calls up to ``lookback_us`` before the window are read so
     that a request straddling its start is recognised as having arrived earlier."""
     reader = StoreReader(store)
     try:
         t_from = None if window.t_from_us is None else window.t_from_us - lookback_us
-        return summarise(reader.con, reader.calls(t_from, window.t_to_us), window)
+        calls = reader.calls(t_from, window.t_to_us)
+        return summarise(reader.con, calls, window, union_cap)
     finally:
         reader.close()

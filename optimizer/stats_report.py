@@ -28,6 +28,7 @@ from rich.table import Table
 
 from optimizer.cli import UsageError, parse_duration_s
 from optimizer.stats import Window, WorkflowStats, summarise_store
+from optimizer.stats_scan import UNION_CALLS_CAP
 from shared.store import StoreReader
 
 
@@ -35,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", required=True, type=Path, help="trace store folder or URI")
     parser.add_argument("--window", default="15m", help="e.g. 30s, 15m, 2h, or 'all'")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--exact", action="store_true",
+        help="compute the interval unions (critical path, overlap, tool time, p) over every "
+        f"request, not a hash sample of about {UNION_CALLS_CAP:,} calls (slower on big stores)")
 
 
 def _clean(value: Any) -> Any:
@@ -69,6 +74,9 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
     for name, wf in stats.items():
         if wf.unidentified_calls:
             notes.append(f"{name}: {wf.unidentified_calls} calls without request id (excluded)")
+        if wf.union_requests < wf.requests:
+            notes.append(f"{name}: overlap, tool time and p from a sample of "
+                         f"{wf.union_requests} of {wf.requests} requests (--exact for all)")
         if wf.bimodal is not None:
             s = wf.bimodal.split
             notes.append(f"{name}: bimodal on {wf.bimodal.model}'s share: {s.low_fraction:.0%} "
@@ -103,7 +111,8 @@ def _window(store: Path, text: str) -> Window:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        stats = summarise_store(args.store, _window(args.store, args.window))
+        cap = None if args.exact else UNION_CALLS_CAP
+        stats = summarise_store(args.store, _window(args.store, args.window), union_cap=cap)
     except duckdb.Error as exc:
         raise UsageError(f"cannot read the store at {args.store}: {exc}") from exc
     if args.json:

@@ -1,12 +1,14 @@
-"""The DuckDB side of workflow statistics: one pass over the call records to compact arrays.
+"""The DuckDB side of workflow statistics: grouped passes over the call records, to arrays.
 
-Role: the only part of :mod:`optimizer.stats` that runs SQL. It reads the store in one full
-pass of the needed columns (into a narrow numeric temp table; two cheap passes before it find
-the few (workflow, model) pairs and the retried calls), and hands numpy what the per-request
-work needs: per completed request one row, per call of a completed request ``(pair, a, b)`` sorted
-by ``a``, plus token-count histograms and unidentified-call counts. DuckDB does what it is
-good at (the scan, retry de-duplication, hash grouping, one single-key sort, all on every
-core); :mod:`optimizer.stats_union` does the interval arithmetic in linear passes.
+Role: the only part of :mod:`optimizer.stats` that runs SQL. DuckDB does what it is good at
+(scans, retry de-duplication, hash grouping, all on every core) and hands numpy compact arrays:
+per completed request one row, per (request, model) *segment* one row (exact counts and summed
+durations: every per-model figure but the unions comes from these), plus token-count
+histograms and unidentified-call counts. The interval unions (critical path, per-model busy
+time, parallelism ``p_m``) need each request's calls in start order, the one costly step (a
+sort of calls); they are computed over a uniform hash sample of the completed requests holding
+at most about ``union_cap`` calls (all requests when they hold fewer: then every figure is
+exact), sorted by ``a`` in the shifted layout below for :mod:`optimizer.stats_union`.
 
 Layout of the sorted calls: every completed request ``i`` owns the integer range
 ``[off_i, off_i + extent_i]`` with ``off_{i+1} = off_i + extent_i + 1``, where ``extent_i``
@@ -14,7 +16,7 @@ covers every start and end of its calls; a call's ``a``/``b`` are its start/end 
 ``off_i - t0_i``. Sorting by ``a`` therefore orders calls by request, then start, and a
 running maximum of ``b`` never carries from one request into the next.
 
-Invariants (the same as before this module existed, DESIGN §3.4):
+Invariants (DESIGN §3.4):
 - a retried call is one logical call: rows sharing a ``call_id`` keep only the highest
   ``attempt`` (skipped when no row has ``attempt > 0``);
 - a request is keyed by ``hash(coalesce(workflow, ''), request_id)``; calls without a request
@@ -22,6 +24,9 @@ Invariants (the same as before this module existed, DESIGN §3.4):
   the token histograms;
 - a request arrives at its first (ended) call's start and counts only if that lies in
   ``[t_from, t_to - settle)``; it is completed when its last call ended by ``t_to - settle``;
+- the union sample is a pure function of the request keys and the number of calls (the same
+  store gives the same sample), and includes every request when they hold at most
+  ``union_cap`` calls;
 - token histograms and unidentified counts cover calls whose start lies in the window;
 - every temp table and view it creates is dropped, and the connection's
   ``preserve_insertion_order`` restored, before it returns.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import duckdb
 import numpy as np
@@ -38,7 +44,11 @@ import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
-_names = itertools.count()
+_tags = itertools.count()
+# The union sample: about this many calls at most (10 M calls sort in seconds, 1 M in a tenth
+# of that; a mean over the tens of thousands of requests they hold is as good as exact).
+UNION_CALLS_CAP = 1_000_000
+SAMPLE_MODULUS = 1 << 20  # a request is sampled when its key modulo this is below a threshold
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +72,7 @@ class Histogram:
 @dataclass(frozen=True, slots=True)
 class Scan:
     """What the statistics need, as arrays. Pair codes index ``pairs``; workflow codes
-    index ``workflows``."""
+    index ``workflows``; request indices follow the requests' offset order."""
 
     workflows: tuple[str, ...]
     pairs: tuple[tuple[int, str], ...]  # (workflow code, model; "" if null) per pair code
@@ -74,12 +84,29 @@ class Scan:
     req_t1: I64
     req_dur: I64  # Σ call durations
     req_off: I64  # start of its range in the shifted layout
-    # calls of completed requests (with an end), sorted by a
+    req_sampled: npt.NDArray[np.bool_]  # its calls are in call_* (the union sample)
+    # (request, pair) segments of completed requests, exact; sorted by pair, then request
+    seg_pair: I32
+    seg_request: I32
+    seg_calls: I64
+    seg_dur: I64  # Σ call durations
+    # calls (with an end) of the sampled completed requests, sorted by a
     call_pair: I32
     call_a: I64
     call_b: I64
     prompt: Histogram
     completion: Histogram
+
+
+class _Names(NamedTuple):
+    raw: str  # the caller's relation
+    d: str  # de-duplicated calls with pair codes and request keys (a view)
+    n: str  # pair codes
+    top: str  # retried call ids
+    g0: str  # (request, workflow, model) segments
+    g: str  # (request, pair) segments
+    r: str  # requests that arrived
+    q: str  # completed requests with offsets and the sample flag
 
 
 def _i64(got: dict[str, npt.NDArray[np.generic]], name: str) -> I64:
@@ -90,99 +117,154 @@ def _i32(got: dict[str, npt.NDArray[np.generic]], name: str) -> I32:
     return np.ascontiguousarray(got[name], dtype=np.int32)
 
 
-def scan(con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, bounds: Bounds) -> Scan:
-    """Run the pass over ``calls`` (a relation on ``con``) for the window ``bounds``."""
-    tag = next(_names)
-    raw, n, top, c, r, q = (f"_scepsy_{k}_{tag}" for k in ("raw", "n", "top", "c", "r", "q"))
+def sample_threshold(calls: int, union_cap: int | None) -> int:
+    """Requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the union sample:
+    all of them when ``calls`` fit in ``union_cap`` (or there is no cap)."""
+    if union_cap is None or calls <= union_cap:
+        return SAMPLE_MODULUS
+    return max(1, union_cap * SAMPLE_MODULUS // calls)
+
+
+def scan(
+    con: duckdb.DuckDBPyConnection,
+    calls: duckdb.DuckDBPyRelation,
+    bounds: Bounds,
+    union_cap: int | None = UNION_CALLS_CAP,
+) -> Scan:
+    """Run the passes over ``calls`` (a relation on ``con``) for the window ``bounds``; the
+    unions cover a hash sample of about ``union_cap`` calls at most (``None``: every call)."""
+    tag = next(_tags)
+    names = _Names(*(f"_scepsy_{k}_{tag}" for k in _Names._fields))
     con.execute("SET enable_progress_bar = false")
     got = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
     preserve = bool(got[0]) if got else True
     # Row order never matters here (every result is grouped or sorted), and not keeping the
     # scan's order lets DuckDB fill the temp tables in parallel without re-ordering them.
     con.execute("SET preserve_insertion_order = false")
-    calls.create_view(raw, replace=True)
+    calls.create_view(names.raw, replace=True)
     try:
-        return _scan(con, raw, n, top, c, r, q, bounds)
+        return _scan(con, names, bounds, union_cap)
     finally:
-        for table in (q, r, c, top, n):
+        con.execute(f"DROP VIEW IF EXISTS {names.d}")
+        for table in (names.q, names.r, names.g, names.n, names.g0, names.top):
             con.execute(f"DROP TABLE IF EXISTS {table}")
-        con.execute(f"DROP VIEW IF EXISTS {raw}")
+        con.execute(f"DROP VIEW IF EXISTS {names.raw}")
         con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
 
 
 def _scan(
-    con: duckdb.DuckDBPyConnection, raw: str, n: str, top: str, c: str, r: str, q: str,
-    bounds: Bounds,
+    con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: int | None
 ) -> Scan:
     lo, t_to, hi = bounds.lo, bounds.t_to, bounds.hi
     in_window = " AND ".join(
         [f"t_start >= {int(lo)}" if lo is not None else "true"]
         + ([f"t_start < {int(t_to)}"] if t_to is not None else [])
     )
-    # Pair codes: the (workflow, model) pairs are few and dictionary-encoded in Parquet, so
-    # this pass is cheap, and every later grouping is on a small integer instead of strings.
-    con.execute(f"""
-        CREATE TEMP TABLE {n} AS
-        SELECT (row_number() OVER (ORDER BY workflow, model) - 1)::INTEGER AS pair, workflow, model
-        FROM (SELECT DISTINCT coalesce(workflow, '') AS workflow, model FROM {raw})
-    """)
-    names = con.execute(f"SELECT workflow, model FROM {n} ORDER BY pair").fetchall()
-    workflows = tuple(sorted({str(w) for w, _ in names}))
-    code = {w: i for i, w in enumerate(workflows)}
-    pairs = tuple((code[str(w)], "" if m is None else str(m)) for w, m in names)
     # Retries are rare: find the retried calls' ids first (a filtered scan that decodes
     # call_id only for rows with attempt > 0), and pay for the anti-join only if there are any.
     con.execute(f"""
-        CREATE TEMP TABLE {top} AS
-        SELECT call_id, max(coalesce(attempt, 0)) AS top FROM {raw}
+        CREATE TEMP TABLE {t.top} AS
+        SELECT call_id, max(coalesce(attempt, 0)) AS top FROM {t.raw}
         WHERE coalesce(attempt, 0) > 0 GROUP BY call_id
     """)
-    retried = con.execute(f"SELECT count(*) FROM {top}").fetchone()
+    retried = con.execute(f"SELECT count(*) FROM {t.top}").fetchone()
     dedup = (
-        f"ANTI JOIN {top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
+        f"ANTI JOIN {t.top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
         if retried and retried[0] else ""
     )
+    # A view, not a table: each pass below reads only the store's columns it needs, which
+    # costs less than writing and re-reading every call. Workflow and model stay strings
+    # (dictionary-encoded, cheap to group by) until the results are small.
     con.execute(f"""
-        CREATE TEMP TABLE {c} AS
+        CREATE TEMP VIEW {t.d} AS
         SELECT CASE WHEN b.request_id IS NULL THEN NULL
                     ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
-               n.pair, b.t_start, b.t_end, b.prompt_tokens, b.completion_tokens
-        FROM {raw} b
-        JOIN {n} n ON n.workflow = coalesce(b.workflow, '') AND n.model IS NOT DISTINCT FROM b.model
-        {dedup}
+               coalesce(b.workflow, '') AS workflow, b.model, b.t_start, b.t_end,
+               b.prompt_tokens, b.completion_tokens
+        FROM {t.raw} b {dedup}
+    """)
+    # Pass 1: per (request, workflow, model) segment of ended, identified calls.
+    con.execute(f"""
+        CREATE TEMP TABLE {t.g0} AS
+        SELECT rk, workflow, model, count(*) AS calls, sum(t_end - t_start)::BIGINT AS dur,
+               min(t_start) AS t0, max(t_end) AS t1, max(t_start) AS s1
+        FROM {t.d} WHERE rk IS NOT NULL AND t_end IS NOT NULL GROUP BY ALL
+    """)
+    # Pass 2: token histograms and unidentified counts of the windowed calls, at once.
+    counted = con.execute(f"""
+        SELECT workflow, model, prompt_tokens, completion_tokens, unid,
+               GROUPING(prompt_tokens, completion_tokens, unid) AS gid, count(*) AS n
+        FROM (SELECT workflow, model, prompt_tokens, completion_tokens, rk IS NULL AS unid
+              FROM {t.d} WHERE {in_window})
+        GROUP BY GROUPING SETS ((workflow, model, prompt_tokens),
+                                (workflow, model, completion_tokens), (workflow, model, unid))
+    """).fetchall()
+    seen = con.execute(f"SELECT DISTINCT workflow, model FROM {t.g0}").fetchall()
+    names = sorted({(str(w), m) for w, m, *_ in counted} | {(str(w), m) for w, m in seen},
+                   key=lambda wm: (wm[0], wm[1] is None, wm[1] or ""))
+    workflows = tuple(sorted({w for w, _ in names}))
+    code = {w: i for i, w in enumerate(workflows)}
+    pairs = tuple((code[w], "" if m is None else str(m)) for w, m in names)
+    pair_of = {wm: k for k, wm in enumerate(names)}
+    con.execute(f"CREATE TEMP TABLE {t.n} (pair INTEGER, workflow VARCHAR, model VARCHAR)")
+    if names:
+        con.executemany(f"INSERT INTO {t.n} VALUES (?, ?, ?)",
+                        [(k, w, m) for k, (w, m) in enumerate(names)])
+    join_n = f"JOIN {t.n} n ON n.workflow = x.workflow AND n.model IS NOT DISTINCT FROM x.model"
+    con.execute(f"""
+        CREATE TEMP TABLE {t.g} AS
+        SELECT x.rk, n.pair, x.calls, x.dur, x.t0, x.t1, x.s1 FROM {t.g0} x {join_n}
     """)
     arrive = " AND ".join(
         [f"t0 >= {int(lo)}" if lo is not None else "true"]
         + ([f"t0 < {int(hi)}"] if hi is not None else [])
     )
     con.execute(f"""
-        CREATE TEMP TABLE {r} AS
-        SELECT rk, any_value(pair) AS pair, min(t_start) AS t0, max(t_end) AS t1,
-               max(t_start) AS s1, sum(t_end - t_start)::BIGINT AS dur
-        FROM {c} WHERE rk IS NOT NULL AND t_end IS NOT NULL
-        GROUP BY rk HAVING {arrive}
+        CREATE TEMP TABLE {t.r} AS
+        SELECT rk, any_value(pair) AS pair, min(t0) AS t0, max(t1) AS t1, max(s1) AS s1,
+               sum(dur)::BIGINT AS dur, sum(calls)::BIGINT AS calls
+        FROM {t.g} GROUP BY rk HAVING {arrive}
     """)
     n_wf = len(workflows)
     wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
     arrivals = _per_workflow(con.execute(
-        f"SELECT pair, count(*) FROM {r} GROUP BY pair").fetchall(), wf_of_pair, n_wf)
+        f"SELECT pair, count(*) FROM {t.r} GROUP BY pair").fetchall(), wf_of_pair, n_wf)
     done = f"t1 <= {int(hi)}" if hi is not None else "true"
+    total = con.execute(f"SELECT coalesce(sum(calls), 0) FROM {t.r} WHERE {done}").fetchone()
+    keep = sample_threshold(int(total[0]) if total else 0, union_cap)
+    sampled = f"rk % {SAMPLE_MODULUS} < {keep}"
     # extent covers starts too (a call may end before it starts); + 1 keeps ranges disjoint.
     con.execute(f"""
-        CREATE TEMP TABLE {q} AS
+        CREATE TEMP TABLE {t.q} AS
         SELECT rk, pair, t0, t1, dur,
-               (sum(greatest(t1, s1) - t0 + 1) OVER (ORDER BY t0, rk ROWS UNBOUNDED PRECEDING)
-                - (greatest(t1, s1) - t0 + 1))::BIGINT AS off
-        FROM {r} WHERE {done}
+               (sum(greatest(t1, s1) - t0 + 1) OVER w - (greatest(t1, s1) - t0 + 1))::BIGINT AS off,
+               (row_number() OVER w - 1)::INTEGER AS idx, {sampled} AS sampled
+        FROM {t.r} WHERE {done}
+        WINDOW w AS (ORDER BY t0, rk ROWS UNBOUNDED PRECEDING)
     """)
-    req = con.execute(f"SELECT pair, t0, t1, dur, off FROM {q} ORDER BY off").fetchnumpy()
-    got = con.execute(f"""
-        SELECT c.pair, c.t_start + (q.off - q.t0) AS a, c.t_end + (q.off - q.t0) AS b
-        FROM {c} c JOIN {q} q USING (rk) WHERE c.t_end IS NOT NULL ORDER BY a
+    req = con.execute(
+        f"SELECT pair, t0, t1, dur, off, sampled FROM {t.q} ORDER BY off").fetchnumpy()
+    seg = con.execute(f"""
+        SELECT g.pair, q.idx AS request, g.calls, g.dur FROM {t.g} g JOIN {t.q} q USING (rk)
+        ORDER BY g.pair, q.idx
     """).fetchnumpy()
-    unidentified = _per_workflow(con.execute(
-        f"SELECT pair, count(*) FROM {c} WHERE rk IS NULL AND {in_window} GROUP BY pair"
-    ).fetchall(), wf_of_pair, n_wf)
+    # Pass 3, the sample's calls: the same predicate on both sides drops most calls before
+    # the join probes, and only the sampled calls meet the string join for their pair code.
+    got = con.execute(f"""
+        SELECT n.pair, x.t_start + (q.off - q.t0) AS a, x.t_end + (q.off - q.t0) AS b
+        FROM (SELECT * FROM {t.d} WHERE t_end IS NOT NULL AND {sampled}) x
+        JOIN (SELECT * FROM {t.q} WHERE sampled) q USING (rk) {join_n} ORDER BY a
+    """).fetchnumpy()
+    unidentified = np.zeros(n_wf, dtype=np.int64)
+    hist: dict[int, list[tuple[int, int, int]]] = {3: [], 5: []}
+    for w, m, prompt, completion, unid, gid, count in counted:
+        k = pair_of[(str(w), m)]
+        if gid == 6 and unid:
+            unidentified[pairs[k][0]] += int(count)
+        elif gid == 3 and prompt is not None:
+            hist[3].append((k, int(prompt), int(count)))
+        elif gid == 5 and completion is not None:
+            hist[5].append((k, int(completion), int(count)))
     return Scan(
         workflows=workflows,
         pairs=pairs,
@@ -193,12 +275,24 @@ def _scan(
         req_t1=_i64(req, "t1"),
         req_dur=_i64(req, "dur"),
         req_off=_i64(req, "off"),
+        req_sampled=np.ascontiguousarray(req["sampled"], dtype=bool),
+        seg_pair=_i32(seg, "pair"),
+        seg_request=_i32(seg, "request"),
+        seg_calls=_i64(seg, "calls"),
+        seg_dur=_i64(seg, "dur"),
         call_pair=_i32(got, "pair"),
         call_a=_i64(got, "a"),
         call_b=_i64(got, "b"),
-        prompt=_histogram(con, c, "prompt_tokens", in_window),
-        completion=_histogram(con, c, "completion_tokens", in_window),
+        prompt=_histogram(hist[3]),
+        completion=_histogram(hist[5]),
     )
+
+
+def _histogram(rows: list[tuple[int, int, int]]) -> Histogram:
+    """(pair, value, count) rows, sorted by pair then value."""
+    cols = np.asarray(sorted(rows), dtype=np.int64).reshape(-1, 3)
+    return Histogram(pair=cols[:, 0].astype(np.int32), value=cols[:, 1].copy(),
+                     count=cols[:, 2].copy())
 
 
 def _per_workflow(rows: list[tuple[int, int]], wf_of_pair: I64, n_wf: int) -> I64:
@@ -206,15 +300,3 @@ def _per_workflow(rows: list[tuple[int, int]], wf_of_pair: I64, n_wf: int) -> I6
     for pair, count in rows:
         out[wf_of_pair[pair]] += int(count)
     return out
-
-
-def _histogram(con: duckdb.DuckDBPyConnection, c: str, column: str, in_window: str) -> Histogram:
-    got = con.execute(f"""
-        SELECT pair, {column} AS value, count(*) AS count FROM {c}
-        WHERE {column} IS NOT NULL AND {in_window} GROUP BY ALL ORDER BY pair, value
-    """).fetchnumpy()
-    return Histogram(
-        pair=_i32(got, "pair"),
-        value=_i64(got, "value"),
-        count=_i64(got, "count"),
-    )

@@ -138,3 +138,47 @@ def test_unimodal_workflow_is_not_flagged(write_store: Write) -> None:
     shares = [min(max(rng.gauss(0.5, 0.12), 0.05), 0.95) for _ in range(60)]
     wf = summarise_store(write_store(_share_trace(shares)))["b"]
     assert wf.bimodal is None
+
+
+def _many_requests(n: int) -> list[Row]:
+    """``n`` requests of a gen/ver loop with a parallel fan-out of ver calls, and retries."""
+    rng = random.Random(7)
+    rows: list[Row] = []
+    for i in range(n):
+        t = i * 0.5
+        for _ in range(rng.randint(1, 4)):
+            g = rng.uniform(0.5, 2.0)
+            rows.append(call("w", f"r{i}", "gen", t, t + g))
+            t += g
+            for _ in range(rng.randint(1, 3)):  # ver calls at once
+                rows.append(call("w", f"r{i}", "ver", t, t + rng.uniform(0.2, 0.6)))
+            t += 0.7
+        if i % 50 == 0:  # a retried call: its first attempt must not count, sampled or not
+            rows.append(call("w", f"r{i}", "gen", t, t + 30, call_id=f"x{i}", attempt=0))
+            rows.append(call("w", f"r{i}", "gen", t, t + 1, call_id=f"x{i}", attempt=1))
+    return rows
+
+
+def test_union_figures_come_from_a_sample_above_the_cap(write_store: Write) -> None:
+    store = write_store(_many_requests(800))
+    exact = summarise_store(store, union_cap=None)["w"]
+    sampled = summarise_store(store, union_cap=1500)["w"]
+    again = summarise_store(store, union_cap=1500)["w"]
+    assert exact.union_requests == exact.requests == 800
+    # about 1,500 of ~6,000 calls: a quarter of the requests, the same ones every time
+    assert 120 < sampled.union_requests < 300
+    assert again == sampled
+    # counts, durations, shares and spans stay exact over every request
+    assert sampled.requests == exact.requests and sampled.arrival_rate == exact.arrival_rate
+    assert sampled.latency_mean == exact.latency_mean
+    for model in ("gen", "ver"):
+        mine, full = sampled.models[model], exact.models[model]
+        assert (mine.calls, mine.n, mine.latency_mean) == (full.calls, full.n, full.latency_mean)
+        assert (mine.share_mean, mine.share_cv) == (full.share_mean, full.share_cv)
+        # the union-based figures are estimates from the sample, close to the exact ones
+        assert mine.p_agg == pytest.approx(full.p_agg, rel=0.05)
+        assert mine.busy_mean == pytest.approx(full.busy_mean, rel=0.08)
+    assert exact.models["ver"].p_agg > 1.3  # the fan-out is there to be measured
+    assert sampled.critical_path_mean == pytest.approx(exact.critical_path_mean, rel=0.08)
+    assert sampled.overlap_factor == pytest.approx(exact.overlap_factor, rel=0.05)
+    assert sampled.tool_time_mean == pytest.approx(exact.tool_time_mean, rel=0.1)
