@@ -5,8 +5,10 @@ find per workflow the allocation with the lowest predicted latency whose through
 ``rate x (1 + headroom)``, over the space :mod:`optimizer.search_space` defines; when nothing
 covers it, the allocation serving the largest rate (flagged infeasible, its latency predicted
 at the rate it serves with headroom). Several workflows: an outer level splits the cluster's
-units between them by a welfare policy (:mod:`optimizer.welfare`); a model used by several
-workflows gets separate replicas in each.
+units between them by a welfare policy (:mod:`optimizer.welfare`), in the order of workflows
+on the line that serves the policy best (:func:`optimizer.search_space.best_split`: the
+per-workflow utility tables do not depend on the order, so each order costs one split); a
+model used by several workflows gets separate replicas in each.
 
 How, and why it is exact: the ALP's latency is a sum of per-LLM contributions and its
 throughput the minimum of per-LLM capacities, so a layout's best configuration is the best
@@ -53,6 +55,7 @@ from optimizer.search_space import (
     SearchProblem,
     WorkflowTarget,
     backtrack,
+    best_split,
     chain,
     count_chain,
     line_gpus,
@@ -62,7 +65,7 @@ from optimizer.search_space import (
     run_configs,
     valid_mask,
 )
-from optimizer.welfare import policy
+from optimizer.welfare import TIE_TOL, policy
 
 __all__ = [
     "ExcludedConfig",
@@ -330,14 +333,15 @@ def search(problem: SearchProblem) -> SearchResult:
         for o in starts:
             table[o] = utility_curve(lat[o], cap[o], w.goal, alone)
         utilities.append(table)
-    budgets, objective = rule.split(utilities, total, f)
+    order, budgets, objective = best_split(rule.split, utilities, total, f, TIE_TOL)
     elapsed = time.perf_counter() - t0
-    chosen, pos = [], 0
-    for w, b, util in zip(flows, budgets, utilities, strict=True):
-        chosen.append(w.choose(pos, b, float(util[pos % f, b]), elapsed))
+    picked: dict[int, WorkflowAllocation] = {}
+    pos = 0
+    for i, b in zip(order, budgets, strict=True):  # laid out in ``order``, reported in given
+        picked[i] = flows[i].choose(pos, b, float(utilities[i][pos % f, b]), elapsed)
         pos += b
     seconds = time.perf_counter() - t0
-    chosen = [_with_seconds(a, seconds) for a in chosen]
+    chosen = [_with_seconds(picked[i], seconds) for i in range(len(flows))]
     totals = SearchStats(
         sum(a.stats.candidates_generated for a in chosen),
         sum(a.stats.candidates_pruned for a in chosen),

@@ -34,13 +34,19 @@ Because TP groups must sit inside NVLink domains, a configuration depends on whe
 its run starts, modulo the line's *cycle*: ``F x`` the number of GPUs after which the line's
 domain pattern repeats (:class:`LineLayout`; 2 GPUs for nodes of 4 with NVLink pairs).
 
-Several workflows split the line: workflow ``k`` gets budget ``b_k`` starting where the previous
-budgets end. Invariants: everything here is pure; :func:`chain` is the one dynamic programme both
-levels (LLMs inside a workflow, workflows inside the cluster) combine tables with.
+Several workflows split the line: in some order (:func:`workflow_orders`: every order for up to
+four workflows), each gets budget ``b_k`` starting where the previous budgets end. The order
+matters: a workflow's runs start where the previous one's end, so where its TP groups and
+whole-GPU replicas fall (and what is left in a shared GPU) depends on what precedes it (beam
+search then RAG on 4 GPUs: RAG's generator cannot take two whole GPUs and leave room for its
+encoders; RAG first, it can). Invariants: everything here is pure; :func:`chain` is the one
+dynamic programme both levels (LLMs inside a workflow, workflows inside the cluster) combine
+tables with.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -356,6 +362,40 @@ def count_chain(tables: Sequence[FloatArray], start: int, total: int, cycle: int
             new[u:] += ways[:n] * table[offsets[:n], u]
         ways = new
     return float(ways.sum())
+
+
+MAX_ORDER_WORKFLOWS = 4  # every order up to 4! = 24 splits; beyond, given and reversed order
+
+
+def workflow_orders(count: int) -> list[tuple[int, ...]]:
+    """Orders in which workflows are laid out on the line, the given order first."""
+    given = tuple(range(count))
+    if count <= MAX_ORDER_WORKFLOWS:
+        return list(itertools.permutations(given))
+    return [given, given[::-1]]
+
+
+Split = Callable[[Sequence[FloatArray], int, int], tuple[tuple[int, ...], float]]
+
+
+def best_split(split: Split, utilities: Sequence[FloatArray], total: int, cycle: int,
+               tie_tol: float) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    """``(order, budgets in that order, objective)``: the welfare policy's ``split`` over
+    every :func:`workflow_orders`; the best objective wins, then the largest sum of
+    utilities, then the earlier order."""
+    best: tuple[float, float, tuple[int, ...], tuple[int, ...]] | None = None
+    for order in workflow_orders(len(utilities)):
+        budgets, objective = split([utilities[i] for i in order], total, cycle)
+        pos, summed = 0, 0.0
+        for i, b in zip(order, budgets, strict=True):
+            summed += float(utilities[i][pos % cycle, b])
+            pos += b
+        if best is None or objective > best[0] + tie_tol * max(1.0, abs(best[0])) or (
+                abs(objective - best[0]) <= tie_tol * max(1.0, abs(best[0]))
+                and summed > best[1] + tie_tol * max(1.0, abs(best[1]))):
+            best = (objective, summed, order, budgets)
+    assert best is not None
+    return best[2], best[3], best[0]
 
 
 def backtrack(choices: Sequence[IntArray], used: int) -> list[int]:

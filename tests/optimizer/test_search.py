@@ -118,10 +118,34 @@ def test_split_between_workflows_equals_reference(welfare: str) -> None:
     rng = np.random.default_rng(7)
     for _ in range(4):
         problem = _two_workflows(rng, welfare)
-        got, ref = search(problem), solve_split(problem)
+        # the search lays the workflows out in their best order: the reference in each order
+        got = search(problem)
+        ref = max((solve_split(replace(problem, workflows=problem.workflows[::step]))
+                   for step in (1, -1)), key=lambda r: r.objective)
         assert got.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-9)
         assert sum(w.budget_units for w in got.workflows) <= problem.units
         _rules_hold(problem, got)
+
+
+def test_workflows_are_laid_out_in_the_order_that_serves_them_best() -> None:
+    # "second"'s first LLM needs a whole GPU (memory): laid out after "first"'s half GPU, its
+    # run starts mid-GPU and leaves nothing for its second LLM; laid out first, both fit
+    points = (curve("a", 1, 10.0, 0.1, 1.0) + curve("b1", 1, 10.0, 2.0, 1.0)
+              + curve("b2", 1, 10.0, 0.1, 1.0))
+    first = Pipeline("first", (Stage("a", 1.0, 1.0),))
+    second = Pipeline("second", (Stage("b1", 1.0, 1.0), Stage("b2", 1.0, 1.0)))
+    problem = SearchProblem((WorkflowTarget(first, 1.0), WorkflowTarget(second, 1.0)),
+                            ProfileBook(points), Cluster.uniform(1, 2, 2, "a6000", GPU_MEMORY),
+                            memory_floor_bytes={"b1": int(0.6 * GPU_MEMORY)}, granularity=2)
+    given = solve_split(problem)
+    swapped = solve_split(replace(problem, workflows=problem.workflows[::-1]))
+    assert given.objective < 0 <= swapped.objective  # only the other order serves "second"
+    got = search(problem)
+    assert got.feasible and got.objective == pytest.approx(swapped.objective, rel=1e-9)
+    assert [w.workflow for w in got.workflows] == ["first", "second"]  # reported as given
+    assert got.workflow("second").start_unit == 0 and got.workflow("first").start_unit == 3
+    assert got.workflow("second").allocation["b1"].share == 1.0
+    _rules_hold(problem, got)
 
 
 def _crafted(welfare: str) -> SearchProblem:
