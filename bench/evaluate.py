@@ -116,6 +116,21 @@ def _run_points(pool: ProcessPoolExecutor, jobs: Sequence[PointJob]) -> list[dic
     return [done[i] for i in range(len(jobs))]
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its live children (the pool's workers; Linux /proc):
+    on a shared machine, what a phase costs independent of the load."""
+    total = sum(os.times()[:2])
+    tick = os.sysconf("SC_CLK_TCK")
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def _point_wall(points: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Simulation seconds spent per workflow, cluster size and system (where the time goes)."""
     out: dict[str, float] = {}
@@ -155,12 +170,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     fractions = tuple(args.rates or (QUICK_RATE_FRACTIONS if args.quick else RATE_FRACTIONS))
     args.out.mkdir(parents=True, exist_ok=True)
     phases: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    cpu0 = _cpu_s()
 
     def phase(name: str) -> None:
         """Record the phase that just ended, and say so on stderr (long runs show progress)."""
         phases[name] = time.perf_counter() - started - sum(phases.values())
-        print(f"[evaluate] {name}: {phases[name]:.1f} s (total "
-              f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        cpu[name] = _cpu_s() - cpu0 - sum(cpu.values())
+        print(f"[evaluate] {name}: {phases[name]:.1f} s, {cpu[name]:.0f} CPU s (total "
+              f"{time.perf_counter() - started:.1f} s, load {os.getloadavg()[0]:.2f})",
+              file=sys.stderr, flush=True)
 
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         k = learn(pool, lengths.profile_calls, args.quick, args.out / "knowledge.json",
@@ -184,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - started
     meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
-            "wall_s": wall, "workers": args.workers, "rate_fractions": fractions}
+            "wall_s": wall, "workers": args.workers, "rate_fractions": fractions,
+            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
     plots = plot_curves(points, args.out)
     if dynamic is not None:
         plots.append(plot_dynamic(dynamic, args.out))
@@ -194,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "points": points, "dynamic": dynamic, "knowledge": knowledge_doc(k),
               "plots": plots, "wall_s": round(wall, 1),
               "phase_s": {p: round(v, 1) for p, v in phases.items()},
+              "phase_cpu_s": {p: round(v, 1) for p, v in cpu.items()},
               "point_wall_s": _point_wall(points)}
     (args.out / "evaluation.json").write_bytes(orjson.dumps(
         report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
