@@ -43,6 +43,15 @@ OVERPROVISION = 6  # replicas of every model that is not being profiled
 # of 59).
 PROFILE_REQUESTS = 300
 REFINE = (0.2, 0.4, 0.6, 0.8, 0.9)  # fractions of the saturation estimate
+# A point judged overloaded by less than this shortfall is measured once more over
+# RECHECK_SCALE times the window, and the longer reading decides: the pile of a
+# dependency-bound model counts per request (x n/p, ~17 for beam's generator), so a few
+# requests' swing of in-flight calls reads as overload. Measured (simulated): beam's generator
+# profiled at 48.6 calls/s from points judged overloaded at 53 and 56 calls/s (5% and 9%
+# short) while the same model kept up at 58-65 calls/s at other seeds, and the whole workflow
+# on one generator kept up at 1.5 req/s (58.7 calls/s) over 1200 requests.
+MARGINAL_SHORTFALL = 0.15
+RECHECK_SCALE = 2.0
 
 
 @dataclass(frozen=True)
@@ -188,14 +197,28 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
     return point, se / max(point.lat_mean, 1e-12)
 
 
-def run_profile(job: ProfileJob) -> list[ProfilePoint]:
+Measure = Callable[[ProfileJob, float, int, float], tuple[ProfilePoint, float]]
+
+
+def marginal(offered: float, achieved: float) -> bool:
+    """Judged overloaded, but by a shortfall that in-flight swings can explain."""
+    return not keeps_up(offered, achieved) and achieved >= (1.0 - MARGINAL_SHORTFALL) * offered
+
+
+def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[ProfilePoint]:
     """Double the rate from light load until the replica stops keeping up, bisect to
-    ``job.precision``, then add points below the saturation estimate for the latency curve."""
+    ``job.precision``, then add points below the saturation estimate for the latency curve.
+    A marginally overloaded probe is re-measured over a longer window, which decides (both
+    points are kept). ``measure``: the point measurement (default: the simulator)."""
+    point = measure or _point
     points: list[ProfilePoint] = []
 
     def probe(rate: float) -> bool:
-        p, _ = _point(job, rate, seed=1000 + len(points))
+        p, _ = point(job, rate, 1000 + len(points), 1.0)
         points.append(p)
+        if marginal(p.offered_rate, p.throughput):
+            p, _ = point(job, rate, 1000 + len(points), RECHECK_SCALE)
+            points.append(p)
         return keeps_up(p.offered_rate, p.throughput)
 
     bracket(probe, job.start_rate, 2.0, job.precision, job.max_doublings)
@@ -206,9 +229,9 @@ def run_profile(job: ProfileJob) -> list[ProfilePoint]:
         if any(abs(p.offered_rate - target) < 0.05 * target for p in points):
             continue
         scale = 1.0
-        point, rel_se = _point(job, target, seed=2000 + k)
+        refined, rel_se = point(job, target, 2000 + k, scale)
         while job.latency_se > 0 and rel_se > job.latency_se and scale < 8:
             scale = min(8.0, max(2 * scale, scale * 1.3 * (rel_se / job.latency_se) ** 2))
-            point, rel_se = _point(job, target, seed=2000 + k, scale=scale)
-        points.append(point)
+            refined, rel_se = point(job, target, 2000 + k, scale)
+        points.append(refined)
     return sorted(points, key=lambda p: p.offered_rate)

@@ -1,10 +1,19 @@
-"""Profiling by simulation: saturation of a dependency-bound workflow's model."""
+"""Profiling by simulation: saturation of a dependency-bound workflow's model, rechecks."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from bench.sim_profile import Case, ProfileJob, _point, keeps_up
+from bench.sim_profile import (
+    Case,
+    Measure,
+    ProfileJob,
+    _point,
+    keeps_up,
+    marginal,
+    run_profile,
+)
+from optimizer.profiles import Profile, ProfilePoint
 from sim.workflows import BeamParams
 
 
@@ -22,3 +31,35 @@ def test_a_dependency_bound_workflow_falling_behind_is_not_keeping_up() -> None:
     calls_alone = replace(job, parallel=None)  # every call judged as if independent
     over, _ = _point(calls_alone, 64.7, seed=1)
     assert keeps_up(over.offered_rate, over.throughput)
+
+
+def _fake_measure(true_capacity: float, short_noise_from: float) -> Measure:
+    """A replica that sustains ``true_capacity`` calls/s; a one-scale window above
+    ``short_noise_from`` reads 8% short (an in-flight swing), a longer window reads true."""
+
+    def measure(job: ProfileJob, rate: float, seed: int, scale: float
+                ) -> tuple[ProfilePoint, float]:
+        if rate > true_capacity:
+            achieved = 0.8 * rate
+        elif scale == 1.0 and rate > short_noise_from:
+            achieved = 0.92 * rate
+        else:
+            achieved = rate
+        return ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
+                            1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0
+
+    return measure
+
+
+def test_a_marginal_overload_is_measured_again_over_a_longer_window() -> None:
+    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
+                     start_rate=5.0, precision=0.02, refine=())
+    points = run_profile(job, _fake_measure(true_capacity=60.0, short_noise_from=45.0))
+    profile = Profile.from_points(points)
+    # a short window's swing no longer caps the profile at the last rate below 45 calls/s
+    assert 0.98 * 60.0 <= profile.saturation <= 60.0 * 1.001
+    # a clear overload is not measured twice
+    over = [p for p in points if p.offered_rate > 60.0]
+    assert over and all(not marginal(p.offered_rate, p.throughput) for p in over)
+    assert len({p.offered_rate for p in over}) == len(over)
