@@ -205,6 +205,15 @@ def marginal(offered: float, achieved: float) -> bool:
     return not keeps_up(offered, achieved) and achieved >= (1.0 - MARGINAL_SHORTFALL) * offered
 
 
+def decide(run: Callable[[float], tuple[bool, bool]]) -> bool:
+    """Kept up? ``run(scale)`` measures over ``scale`` x the window and says (kept up,
+    marginal); a marginal verdict is replaced by one over ``RECHECK_SCALE`` x the window."""
+    ok, close = run(1.0)
+    if close:
+        ok, _ = run(RECHECK_SCALE)
+    return ok
+
+
 def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[ProfilePoint]:
     """Double the rate from light load until the replica stops keeping up, bisect to
     ``job.precision``, then add points below the saturation estimate for the latency curve.
@@ -214,12 +223,12 @@ def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[Profile
     points: list[ProfilePoint] = []
 
     def probe(rate: float) -> bool:
-        p, _ = point(job, rate, 1000 + len(points), 1.0)
-        points.append(p)
-        if marginal(p.offered_rate, p.throughput):
-            p, _ = point(job, rate, 1000 + len(points), RECHECK_SCALE)
+        def run(scale: float) -> tuple[bool, bool]:
+            p, _ = point(job, rate, 1000 + len(points), scale)
             points.append(p)
-        return keeps_up(p.offered_rate, p.throughput)
+            return keeps_up(p.offered_rate, p.throughput), marginal(p.offered_rate, p.throughput)
+
+        return decide(run)
 
     bracket(probe, job.start_rate, 2.0, job.precision, job.max_doublings)
     kept = [p.throughput for p in points if keeps_up(p.offered_rate, p.throughput)]

@@ -11,6 +11,7 @@ from bench.alp_accuracy import (
     _cases,
     mean_and_se,
     quick_cases,
+    simulated_capacity,
 )
 
 
@@ -33,3 +34,12 @@ def test_quick_keeps_capacity_windows_long_enough() -> None:
         # the simulated truth stays as precise as the test's tolerance needs
         assert q.capacity_requests >= CAP_MIN_REQUESTS
         assert f.capacity_requests >= CAP_MIN_REQUESTS
+
+
+def test_simulated_capacity_is_what_was_completed_not_the_rate_offered() -> None:
+    # kept up (within the 5% tolerance) at 10/s while completing 9.6/s; overloaded at 11/s
+    probes = [(9.0, True, 9.0), (10.0, True, 9.6), (11.0, False, 9.7)]
+    assert simulated_capacity(probes, backlog=9.2) == pytest.approx(9.6)
+    # a standing backlog that completes more than any probe that kept up counts
+    assert simulated_capacity(probes, backlog=10.4) == pytest.approx(10.4)
+    assert simulated_capacity([(5.0, False, 4.0)], backlog=4.5) == pytest.approx(4.5)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from bench.sim_profile import (
+    RECHECK_SCALE,
     Case,
     Measure,
     ProfileJob,
     _point,
+    decide,
     keeps_up,
     marginal,
     run_profile,
@@ -63,3 +66,19 @@ def test_a_marginal_overload_is_measured_again_over_a_longer_window() -> None:
     over = [p for p in points if p.offered_rate > 60.0]
     assert over and all(not marginal(p.offered_rate, p.throughput) for p in over)
     assert len({p.offered_rate for p in over}) == len(over)
+
+
+def test_decide_asks_a_longer_window_only_when_marginal() -> None:
+    asked: list[float] = []
+
+    def run(verdicts: dict[float, tuple[bool, bool]]) -> Callable[[float], tuple[bool, bool]]:
+        def measure(scale: float) -> tuple[bool, bool]:
+            asked.append(scale)
+            return verdicts[scale]
+        return measure
+
+    assert decide(run({1.0: (False, True), RECHECK_SCALE: (True, False)}))
+    assert asked == [1.0, RECHECK_SCALE]
+    asked.clear()
+    assert not decide(run({1.0: (False, False)}))  # a clear overload is not run again
+    assert asked == [1.0]
