@@ -1,14 +1,15 @@
 """The DuckDB side of workflow statistics: grouped passes over the call records, to arrays.
 
-Role: the only part of :mod:`optimizer.stats` that runs SQL. DuckDB does what it is good at
-(scans, retry de-duplication, hash grouping, all on every core) and hands numpy compact arrays:
-per completed request one row, per (request, model) *segment* one row (exact counts and summed
-durations: every per-model figure but the unions comes from these), plus token-count
-histograms and unidentified-call counts. The interval unions (critical path, per-model busy
-time, parallelism ``p_m``) need each request's calls in start order, the one costly step (a
-sort of calls); they are computed over a uniform hash sample of the completed requests holding
-at most about ``union_cap`` calls (all requests when they hold fewer: then every figure is
-exact), sorted by ``a`` in the shifted layout below for :mod:`optimizer.stats_union`.
+Role: the only part of :mod:`optimizer.stats` that runs SQL. One pass reads the store's
+columns once into a narrow table of integers (request key, pair key, times, tokens; retried
+attempts dropped); grouped passes over it hand numpy compact arrays: per completed request one
+row, per (request, model) *segment* one row (exact counts and summed durations: every per-model
+figure but the unions comes from these), plus token-count histograms and unidentified-call
+counts. The interval unions (critical path, per-model busy time, parallelism ``p_m``) need each
+request's calls in start order, the one step that grows faster than the store (a sort of
+calls); they are computed over a uniform hash sample of the completed requests holding at most
+about ``union_cap`` calls (all requests when they hold fewer: then every figure is exact),
+sorted by ``a`` in the shifted layout below for :mod:`optimizer.stats_union`.
 
 Layout of the sorted calls: every completed request ``i`` owns the integer range
 ``[off_i, off_i + extent_i]`` with ``off_{i+1} = off_i + extent_i + 1``, where ``extent_i``
@@ -100,10 +101,9 @@ class Scan:
 
 class _Names(NamedTuple):
     raw: str  # the caller's relation
-    d: str  # de-duplicated calls with pair codes and request keys (a view)
-    n: str  # pair codes
+    n: str  # (workflow, model) pairs: their codes and key hashes
     top: str  # retried call ids
-    g0: str  # (request, workflow, model) segments
+    c: str  # the calls, de-duplicated, with integer request and pair keys
     g: str  # (request, pair) segments
     r: str  # requests that arrived
     q: str  # completed requests with offsets and the sample flag
@@ -145,8 +145,7 @@ def scan(
     try:
         return _scan(con, names, bounds, union_cap)
     finally:
-        con.execute(f"DROP VIEW IF EXISTS {names.d}")
-        for table in (names.q, names.r, names.g, names.n, names.g0, names.top):
+        for table in (names.q, names.r, names.g, names.c, names.top, names.n):
             con.execute(f"DROP TABLE IF EXISTS {table}")
         con.execute(f"DROP VIEW IF EXISTS {names.raw}")
         con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
@@ -160,6 +159,23 @@ def _scan(
         [f"t_start >= {int(lo)}" if lo is not None else "true"]
         + ([f"t_start < {int(t_to)}"] if t_to is not None else [])
     )
+    # The (workflow, model) pairs are few and dictionary-encoded in Parquet, so this pass is
+    # cheap; every later pass keys a pair by its 64-bit hash, an integer, not two strings.
+    pk = "hash(coalesce(workflow, ''), model)"
+    found = con.execute(
+        f"SELECT DISTINCT coalesce(workflow, '') AS w, model, {pk} AS pk FROM {t.raw}"
+    ).fetchall()
+    found.sort(key=lambda row: (row[0], row[1] is None, row[1] or ""))
+    if len({row[2] for row in found}) != len(found):  # two pairs, one hash: never seen
+        raise RuntimeError("stats: two (workflow, model) pairs share a 64-bit key hash")
+    workflows = tuple(sorted({str(w) for w, _, _ in found}))
+    code = {w: i for i, w in enumerate(workflows)}
+    pairs = tuple((code[str(w)], "" if m is None else str(m)) for w, m, _ in found)
+    pair_of = {int(key): k for k, (_, _, key) in enumerate(found)}
+    con.execute(f"CREATE TEMP TABLE {t.n} (pair INTEGER, pk UBIGINT)")
+    if found:
+        con.executemany(f"INSERT INTO {t.n} VALUES (?, ?)", list(
+            enumerate(int(key) for _, _, key in found)))
     # Retries are rare: find the retried calls' ids first (a filtered scan that decodes
     # call_id only for rows with attempt > 0), and pay for the anti-join only if there are any.
     con.execute(f"""
@@ -172,49 +188,32 @@ def _scan(
         f"ANTI JOIN {t.top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
         if retried and retried[0] else ""
     )
-    # A view, not a table: each pass below reads only the store's columns it needs, which
-    # costs less than writing and re-reading every call. Workflow and model stay strings
-    # (dictionary-encoded, cheap to group by) until the results are small.
+    # The one pass over the store: every later pass reads this narrow integer table (the
+    # strings, and call_id for the retries, are decoded once).
     con.execute(f"""
-        CREATE TEMP VIEW {t.d} AS
+        CREATE TEMP TABLE {t.c} AS
         SELECT CASE WHEN b.request_id IS NULL THEN NULL
                     ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
-               coalesce(b.workflow, '') AS workflow, b.model, b.t_start, b.t_end,
+               hash(coalesce(b.workflow, ''), b.model) AS pk, b.t_start, b.t_end,
                b.prompt_tokens, b.completion_tokens
         FROM {t.raw} b {dedup}
     """)
-    # Pass 1: per (request, workflow, model) segment of ended, identified calls.
-    con.execute(f"""
-        CREATE TEMP TABLE {t.g0} AS
-        SELECT rk, workflow, model, count(*) AS calls, sum(t_end - t_start)::BIGINT AS dur,
-               min(t_start) AS t0, max(t_end) AS t1, max(t_start) AS s1
-        FROM {t.d} WHERE rk IS NOT NULL AND t_end IS NOT NULL GROUP BY ALL
-    """)
-    # Pass 2: token histograms and unidentified counts of the windowed calls, at once.
-    counted = con.execute(f"""
-        SELECT workflow, model, prompt_tokens, completion_tokens, unid,
-               GROUPING(prompt_tokens, completion_tokens, unid) AS gid, count(*) AS n
-        FROM (SELECT workflow, model, prompt_tokens, completion_tokens, rk IS NULL AS unid
-              FROM {t.d} WHERE {in_window})
-        GROUP BY GROUPING SETS ((workflow, model, prompt_tokens),
-                                (workflow, model, completion_tokens), (workflow, model, unid))
-    """).fetchall()
-    seen = con.execute(f"SELECT DISTINCT workflow, model FROM {t.g0}").fetchall()
-    names = sorted({(str(w), m) for w, m, *_ in counted} | {(str(w), m) for w, m in seen},
-                   key=lambda wm: (wm[0], wm[1] is None, wm[1] or ""))
-    workflows = tuple(sorted({w for w, _ in names}))
-    code = {w: i for i, w in enumerate(workflows)}
-    pairs = tuple((code[w], "" if m is None else str(m)) for w, m in names)
-    pair_of = {wm: k for k, wm in enumerate(names)}
-    con.execute(f"CREATE TEMP TABLE {t.n} (pair INTEGER, workflow VARCHAR, model VARCHAR)")
-    if names:
-        con.executemany(f"INSERT INTO {t.n} VALUES (?, ?, ?)",
-                        [(k, w, m) for k, (w, m) in enumerate(names)])
-    join_n = f"JOIN {t.n} n ON n.workflow = x.workflow AND n.model IS NOT DISTINCT FROM x.model"
     con.execute(f"""
         CREATE TEMP TABLE {t.g} AS
-        SELECT x.rk, n.pair, x.calls, x.dur, x.t0, x.t1, x.s1 FROM {t.g0} x {join_n}
+        SELECT x.rk, n.pair, x.calls, x.dur, x.t0, x.t1, x.s1
+        FROM (SELECT rk, pk, count(*) AS calls, sum(t_end - t_start)::BIGINT AS dur,
+                     min(t_start) AS t0, max(t_end) AS t1, max(t_start) AS s1
+              FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL GROUP BY rk, pk) x
+        JOIN {t.n} n USING (pk)
     """)
+    # Token histograms and unidentified counts of the windowed calls, in one pass.
+    counted = con.execute(f"""
+        SELECT pk, prompt_tokens, completion_tokens, unid,
+               GROUPING(prompt_tokens, completion_tokens, unid) AS gid, count(*) AS n
+        FROM (SELECT pk, prompt_tokens, completion_tokens, rk IS NULL AS unid
+              FROM {t.c} WHERE {in_window})
+        GROUP BY GROUPING SETS ((pk, prompt_tokens), (pk, completion_tokens), (pk, unid))
+    """).fetchall()
     arrive = " AND ".join(
         [f"t0 >= {int(lo)}" if lo is not None else "true"]
         + ([f"t0 < {int(hi)}"] if hi is not None else [])
@@ -248,17 +247,18 @@ def _scan(
         SELECT g.pair, q.idx AS request, g.calls, g.dur FROM {t.g} g JOIN {t.q} q USING (rk)
         ORDER BY g.pair, q.idx
     """).fetchnumpy()
-    # Pass 3, the sample's calls: the same predicate on both sides drops most calls before
-    # the join probes, and only the sampled calls meet the string join for their pair code.
+    # The sample's calls: the same predicate on both sides drops most calls before the join
+    # probes.
     got = con.execute(f"""
         SELECT n.pair, x.t_start + (q.off - q.t0) AS a, x.t_end + (q.off - q.t0) AS b
-        FROM (SELECT * FROM {t.d} WHERE t_end IS NOT NULL AND {sampled}) x
-        JOIN (SELECT * FROM {t.q} WHERE sampled) q USING (rk) {join_n} ORDER BY a
+        FROM (SELECT * FROM {t.c} WHERE t_end IS NOT NULL AND {sampled}) x
+        JOIN (SELECT * FROM {t.q} WHERE sampled) q USING (rk) JOIN {t.n} n USING (pk)
+        ORDER BY a
     """).fetchnumpy()
     unidentified = np.zeros(n_wf, dtype=np.int64)
     hist: dict[int, list[tuple[int, int, int]]] = {3: [], 5: []}
-    for w, m, prompt, completion, unid, gid, count in counted:
-        k = pair_of[(str(w), m)]
+    for key, prompt, completion, unid, gid, count in counted:
+        k = pair_of[int(key)]
         if gid == 6 and unid:
             unidentified[pairs[k][0]] += int(count)
         elif gid == 3 and prompt is not None:
