@@ -158,7 +158,10 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
              f"Command: `{meta['command']}` — wall time {meta['wall_s']:.0f} s "
              f"({meta['workers']} workers). Rates swept: "
              f"{', '.join(f'{f:g}' for f in meta['rate_fractions'])} x Scepsy's predicted "
-             "capacity on each cluster.", "",
+             "capacity on each cluster."
+             + (f" A series (system, workflow, cluster) stops after {meta['stop_after']} "
+                f"consecutive rates it does not sustain: {meta['skipped']} higher rates were "
+                "not run (counted as not sustained)." if meta.get("stop_after") else ""), "",
              "Peak = highest offered rate sustained (req/s; `>=`: the highest rate swept, "
              "so the true peak is higher), with the throughput measured there; `x` = Scepsy "
              "peak / system peak (by offered rate: equal offered rates tie, whatever the "

@@ -23,8 +23,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -101,19 +101,49 @@ def _cost(job: PointJob) -> float:
     return per_s * span
 
 
-def _run_points(pool: ProcessPoolExecutor, jobs: Sequence[PointJob]) -> list[dict[str, Any]]:
-    """Every point, longest first, with progress on stderr about every tenth of them."""
-    started = time.perf_counter()
-    futures = {pool.submit(run_point, jobs[i]): i
-               for i in sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))}
+STOP_AFTER = 2  # a series stops after this many consecutive rates it did not sustain
+
+
+def _run_points(pool: Executor, jobs: Sequence[PointJob], workers: int,
+                run: Callable[[PointJob], dict[str, Any]] = run_point,
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run every series (one system, workflow and cluster size) up its rates, and stop a
+    series after ``STOP_AFTER`` consecutive rates it did not sustain: the rates above carry
+    no peak and no equal-rate latency, and an overloaded point is the costliest to simulate
+    (its backlog grows). Series run side by side, at most ``workers`` points at once, the
+    series with the most simulated work left first. Returns the points run (in ``jobs``
+    order) and the rates skipped. Progress goes to stderr about every tenth of the points."""
+    series: dict[tuple[str, str, int], list[int]] = {}
+    for i in sorted(range(len(jobs)), key=lambda i: jobs[i].rate):
+        series.setdefault((jobs[i].system, jobs[i].kind, jobs[i].gpus), []).append(i)
+    failed = dict.fromkeys(series, 0)
+    running: dict[Future[dict[str, Any]], tuple[tuple[str, str, int], int]] = {}
     done: dict[int, dict[str, Any]] = {}
-    step = max(1, len(jobs) // 10)
-    for fut in as_completed(futures):
-        done[futures[fut]] = fut.result()
-        if len(done) % step == 0 or len(done) == len(jobs):
-            print(f"[evaluate] points {len(done)}/{len(jobs)} "
-                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    return [done[i] for i in range(len(jobs))]
+    skipped: list[dict[str, Any]] = []
+    started, step = time.perf_counter(), max(1, len(jobs) // 10)
+    while series or running:
+        busy = {key for key, _ in running.values()}
+        idle = [key for key in series if key not in busy]
+        for key in sorted(idle, key=lambda k: -sum(_cost(jobs[i]) for i in series[k])):
+            if len(running) >= workers:
+                break
+            i = series[key].pop(0)
+            if not series[key]:
+                del series[key]
+            running[pool.submit(run, jobs[i])] = (key, i)
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            key, i = running.pop(fut)
+            done[i] = fut.result()
+            failed[key] = 0 if done[i]["sustained"] else failed[key] + 1
+            if failed[key] >= STOP_AFTER and key in series:
+                skipped += [{"system": key[0], "workflow": key[1], "gpus": key[2],
+                             "rate": jobs[j].rate} for j in series.pop(key)]
+            if len(done) % step == 0:
+                print(f"[evaluate] points {len(done)} run, {len(skipped)} skipped, of "
+                      f"{len(jobs)} ({time.perf_counter() - started:.0f} s)", file=sys.stderr,
+                      flush=True)
+    return [done[i] for i in sorted(done)], skipped
 
 
 def _cpu_s() -> float:
@@ -193,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
-        points = _run_points(pool, jobs)
+        points, skipped = _run_points(pool, jobs, args.workers)
         phase("points")
         dynamic = None
         if not args.no_dynamic:
@@ -204,14 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
             "wall_s": wall, "workers": args.workers, "rate_fractions": fractions,
-            "load_average": os.getloadavg(), "cpus": os.cpu_count()}
+            "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+            "stop_after": STOP_AFTER, "skipped": len(skipped)}
     plots = plot_curves(points, args.out)
     if dynamic is not None:
         plots.append(plot_dynamic(dynamic, args.out))
     report = {"label": "simulated", "meta": meta, "quick": args.quick, "sizes": sizes,
               "systems": SYSTEMS,
               "summary": summary, "shortfalls": shortfalls, "sweeps": sweeps,
-              "points": points, "dynamic": dynamic, "knowledge": knowledge_doc(k),
+              "points": points, "skipped": skipped, "dynamic": dynamic,
+              "knowledge": knowledge_doc(k),
               "plots": plots, "wall_s": round(wall, 1),
               "phase_s": {p: round(v, 1) for p, v in phases.items()},
               "phase_cpu_s": {p: round(v, 1) for p, v in cpu.items()},

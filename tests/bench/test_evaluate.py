@@ -8,6 +8,7 @@ autoscaled simulations and the report without minutes of profiling.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -15,8 +16,9 @@ import pytest
 
 from bench import evaluate
 from bench.eval_report import cause, summarise
+from bench.eval_runs import PointJob
 from bench.eval_scepsy import PROFILE_KEYS
-from bench.eval_setup import SYSTEMS, WORKFLOWS
+from bench.eval_setup import QUICK, SYSTEMS, WORKFLOWS
 
 # model -> (calls per request, parallelism, light-load call latency s, whole-GPU calls/s)
 FAKE = {
@@ -137,3 +139,27 @@ def test_cause_tells_the_search_from_the_alp() -> None:
                alp={"beam": {"throughput": 3.0, "latency": 1.0}})
     found = summarise([faster, ours])[1]
     assert found[0]["what"].startswith("is faster") and "ALP ranking" in cause(found[0])
+
+
+def _job(system: str, rate: float) -> PointJob:
+    return PointJob(system, "beam", 4, rate, 0.0, None, QUICK, 1.0, seed=0, meta={})
+
+
+def _fake_run(job: PointJob) -> dict[str, object]:
+    # "even" fails at 2 and 3 (then stops); "hpa" fails once at 2 and recovers at 3
+    failing = {"even": (2.0, 3.0, 4.0), "hpa": (2.0, 5.0)}.get(job.system, ())
+    return {"system": job.system, "rate": job.rate, "sustained": job.rate not in failing}
+
+
+def test_a_series_stops_after_consecutive_unsustained_rates() -> None:
+    jobs = [_job(s, r) for s in ("scepsy", "even", "hpa") for r in (5.0, 1.0, 4.0, 2.0, 3.0)]
+    with ThreadPoolExecutor(2) as pool:
+        points, skipped = evaluate._run_points(pool, jobs, 2, _fake_run)
+    ran = {(p["system"], p["rate"]) for p in points}
+    assert {r for s, r in ran if s == "scepsy"} == {1.0, 2.0, 3.0, 4.0, 5.0}
+    assert {r for s, r in ran if s == "hpa"} == {1.0, 2.0, 3.0, 4.0, 5.0}
+    assert {r for s, r in ran if s == "even"} == {1.0, 2.0, 3.0}
+    assert [(s["system"], s["rate"]) for s in skipped] == [("even", 4.0), ("even", 5.0)]
+    # points come back in the jobs' order
+    order = [(j.system, j.rate) for j in jobs if (j.system, j.rate) in ran]
+    assert [(p["system"], p["rate"]) for p in points] == order
