@@ -41,7 +41,7 @@ import orjson
 from optimizer.stats import summarise_store
 from optimizer.stats_report import add_arguments, run
 from shared.records import COLUMNS
-from shared.store import segment_dir
+from shared.store import SEGMENT_CODEC, segment_dir
 
 CALLS_PER_REQUEST = 20
 
@@ -84,7 +84,7 @@ def generate(store: Path, calls: int, segments: int) -> int:
         path = directory / f"seg-{seg:016d}-bench-{seg:06d}.parquet"
         con.execute(
             f"COPY (SELECT {typed} FROM ({select}) ORDER BY t_end, call_id, attempt) "
-            f"TO '{path}' (FORMAT parquet, COMPRESSION zstd)"
+            f"TO '{path}' (FORMAT parquet, COMPRESSION {SEGMENT_CODEC})"
         )
         got = con.execute(f"SELECT count(*) FROM read_parquet('{path}')").fetchone()
         rows += int(got[0]) if got else 0

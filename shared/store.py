@@ -28,6 +28,12 @@ import numpy as np
 
 from shared.records import COLUMN_NAMES, COLUMNS
 
+# Segments are read far more often than written (the optimizer re-reads each window every
+# period): LZ4 decompresses several times faster than zstd, the one cost that dominated a
+# statistics pass (16% of its instructions on 1M calls), for files about 1.5x larger; it also
+# costs the proxy's recorder less to write. Readers take any codec, older zstd segments too.
+SEGMENT_CODEC = "lz4_raw"
+
 CALLS_DIR = "calls"
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 _SELECT_TYPED = ", ".join(f"CAST({name} AS {sql}) AS {name}" for name, sql in COLUMNS)
@@ -68,7 +74,7 @@ class SegmentWriter:
         try:
             self._con.execute(
                 f"COPY (SELECT {_SELECT_TYPED} FROM batch) TO '{tmp}' "
-                "(FORMAT parquet, COMPRESSION zstd)"
+                f"(FORMAT parquet, COMPRESSION {SEGMENT_CODEC})"
             )
         finally:
             self._con.unregister("batch")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
+
 from shared.records import COLUMN_NAMES, CallRecord, scrub_body
 from shared.store import SegmentWriter, StoreReader, segment_dir
 
@@ -67,3 +69,22 @@ def test_scrub_body_redacts_secrets_only() -> None:
     assert out["metadata"] == {"Authorization": "[redacted]", "token": "[redacted]"}
     plain = b'{"model": "m", "max_tokens": 4}'
     assert scrub_body(plain, orjson.loads(plain)) == plain.decode()
+
+
+def test_segments_use_the_fast_codec_and_older_zstd_ones_still_read(tmp_path: Path) -> None:
+    writer = SegmentWriter(tmp_path, "p1")
+    path = writer.write([_record(i).row() for i in range(3)])
+    writer.close()
+    assert path is not None
+    con = duckdb.connect()
+    codecs = {c for (c,) in con.execute(
+        f"SELECT DISTINCT compression FROM parquet_metadata('{path}')").fetchall()}
+    assert codecs == {"LZ4_RAW"}
+    old = path.with_name("seg-0000000000000000-old-000000.parquet")
+    con.execute(f"COPY (SELECT * FROM read_parquet('{path}')) TO '{old}' "
+                "(FORMAT parquet, COMPRESSION zstd)")
+    reader = StoreReader(tmp_path)
+    try:
+        assert reader.calls().aggregate("count(*)").fetchall() == [(6,)]
+    finally:
+        reader.close()
