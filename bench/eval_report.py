@@ -161,7 +161,9 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
              "capacity on each cluster."
              + (f" A series (system, workflow, cluster) stops after {meta['stop_after']} "
                 f"consecutive rates it does not sustain: {meta['skipped']} higher rates were "
-                "not run (counted as not sustained)." if meta.get("stop_after") else ""), "",
+                "not run (counted as not sustained)." if meta.get("stop_after") else "")
+             + (f" Traces and profiles: {meta['knowledge']}." if meta.get("knowledge") else ""),
+             "",
              "Peak = highest offered rate sustained (req/s; `>=`: the highest rate swept, "
              "so the true peak is higher), with the throughput measured there; `x` = Scepsy "
              "peak / system peak (by offered rate: equal offered rates tie, whatever the "

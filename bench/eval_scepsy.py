@@ -18,7 +18,9 @@ silently replaced; every figure is simulated.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import platform
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from bench.eval_setup import (
@@ -61,6 +64,11 @@ PROFILE_KEYS: dict[str, tuple[tuple[int, float], ...]] = {
     "llama-3-8b": ((1, 1.0), (1, 0.5), (2, 1.0), (2, 0.5)),
 }
 TRACE = {"beam": (0.05, 150), "rag": (0.5, 300)}  # light load: rate, requests
+# The sources tracing and profiling depend on (repository-relative globs): the knowledge cache
+# is keyed by their contents, so any change to them profiles afresh.
+KNOWLEDGE_SOURCES = ("sim/*.py", "shared/*.py", "optimizer/stats*.py", "optimizer/modality.py",
+                     "optimizer/profiles.py", "optimizer/alp.py", "bench/sim_profile.py",
+                     "bench/eval_scepsy.py", "bench/eval_setup.py")
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,17 @@ def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None,
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_bytes(orjson.dumps(_to_doc(k), option=orjson.OPT_SERIALIZE_NUMPY))
     return k
+
+
+def knowledge_key(calls: int, quick: bool) -> str:
+    """What :func:`learn` computes is a pure function of this key (seeded simulations): the
+    settings, the Python and numpy versions and the contents of ``KNOWLEDGE_SOURCES``."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(f"{calls}/{quick}/{platform.python_version()}/{np.__version__}".encode())
+    for pattern in KNOWLEDGE_SOURCES:
+        for f in sorted(root.glob(pattern)):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:20]
 
 
 def _measured(points: Iterable[ProfilePoint]) -> tuple[ProfilePoint, ...]:

@@ -13,7 +13,10 @@ dynamically (``bench.eval_dynsim``), per-LLM independent sizing and an even spli
 (``bench.eval_static``), and Scepsy without TP / fractions / both. Rates are fractions of
 Scepsy's predicted capacity on each cluster; every system runs the same rates with the same
 seeds. A second scenario (``bench.eval_daemon``) steps the RAG rate while beam holds steady and
-compares the daemon's decisions with the autoscaler over time. ``--report-only`` re-renders
+compares the daemon's decisions with the autoscaler over time (run alongside the points). A
+series of points (one system, workflow and cluster) stops after 2 consecutive rates it does
+not sustain. Traces and profiles are cached under ``--cache``, keyed by the settings and the
+contents of the sources they depend on (``--fresh`` recomputes). ``--report-only`` re-renders
 the summary and report of an earlier run from its ``evaluation.json``.
 """
 
@@ -21,10 +24,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +45,15 @@ import orjson
 from bench.eval_daemon import scenario
 from bench.eval_report import markdown, plot_curves, plot_dynamic, summarise
 from bench.eval_runs import PointJob, run_point
-from bench.eval_scepsy import Knowledge, alp_view, capacity, knowledge_doc, learn, plan
+from bench.eval_scepsy import (
+    Knowledge,
+    alp_view,
+    capacity,
+    knowledge_doc,
+    knowledge_key,
+    learn,
+    plan,
+)
 from bench.eval_setup import (
     ABLATIONS,
     COMBINED_BEAM_FRACTION,
@@ -170,6 +189,26 @@ def _point_wall(points: Sequence[dict[str, Any]]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _knowledge(pool: Executor, args: argparse.Namespace,
+               lengths: RunLengths) -> tuple[Knowledge, str]:
+    """Traces and profiles: from DIR/knowledge.json (``--reuse-profiles``), from the cache
+    when it holds this key (the same settings and sources: the same seeded result), else
+    computed and cached. Also returns where they came from, for the report."""
+    mine = args.out / "knowledge.json"
+    if args.reuse_profiles and mine.exists():
+        return learn(pool, lengths.profile_calls, args.quick, mine, reuse=True), str(mine)
+    key = knowledge_key(lengths.profile_calls, args.quick)
+    cached = args.cache / f"knowledge-{'quick' if args.quick else 'full'}-{key}.json"
+    if cached.exists() and not args.fresh:
+        k = learn(pool, lengths.profile_calls, args.quick, cached, reuse=True)
+        shutil.copyfile(cached, mine)
+        return k, f"cache {cached} (key {key})"
+    k = learn(pool, lengths.profile_calls, args.quick, mine)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(mine, cached)
+    return k, f"computed (key {key})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -184,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="multiply run lengths (requests per point, autoscaler windows)")
     ap.add_argument("--reuse-profiles", action="store_true",
                     help="reuse DIR/knowledge.json from an earlier run with the same mode")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "scepsy-eval",
+                    help="where traces and profiles are cached, keyed by the settings and the "
+                         "sources they depend on (bench.eval_scepsy.knowledge_key)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="trace and profile afresh even when the cache holds the same key")
     ap.add_argument("--report-only", action="store_true",
                     help="re-render DIR/evaluation.md (and the summary) from DIR/evaluation.json")
     args = ap.parse_args(argv)
@@ -212,8 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr, flush=True)
 
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        k = learn(pool, lengths.profile_calls, args.quick, args.out / "knowledge.json",
-                  args.reuse_profiles)
+        k, knowledge_from = _knowledge(pool, args, lengths)
         phase("trace_and_profile")
         jobs: list[PointJob] = []
         sweeps: dict[str, Any] = {}
@@ -223,19 +266,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
-        points, skipped = _run_points(pool, jobs, args.workers)
-        phase("points")
-        dynamic = None
-        if not args.no_dynamic:
-            dynamic = scenario(k, pool, DYNAMIC_GPUS, args.quick)
-            phase("dynamic")
+        # The dynamic scenario's two long runs go to the pool first and the points fill the
+        # workers around them (run after the points, one worker idled while the longer ran).
+        with ThreadPoolExecutor(1) as side:
+            pending = (None if args.no_dynamic else
+                       side.submit(scenario, k, pool, DYNAMIC_GPUS, args.quick))
+            points, skipped = _run_points(pool, jobs, args.workers)
+            phase("points_and_dynamic" if pending else "points")
+            dynamic = pending.result() if pending else None
+        if pending:
+            phase("dynamic_rest")
     summary, shortfalls = summarise(points)
     wall = time.perf_counter() - started
     meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
             "wall_s": wall, "workers": args.workers, "rate_fractions": fractions,
             "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-            "stop_after": STOP_AFTER, "skipped": len(skipped)}
+            "stop_after": STOP_AFTER, "skipped": len(skipped), "knowledge": knowledge_from}
     plots = plot_curves(points, args.out)
     if dynamic is not None:
         plots.append(plot_dynamic(dynamic, args.out))
