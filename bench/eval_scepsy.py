@@ -64,11 +64,11 @@ PROFILE_KEYS: dict[str, tuple[tuple[int, float], ...]] = {
     "llama-3-8b": ((1, 1.0), (1, 0.5), (2, 1.0), (2, 0.5)),
 }
 TRACE = {"beam": (0.05, 150), "rag": (0.5, 300)}  # light load: rate, requests
-# The sources tracing and profiling depend on (repository-relative globs): the knowledge cache
-# is keyed by their contents, so any change to them profiles afresh.
+# The sources the profiles depend on (repository-relative globs): the profile cache is keyed
+# by their contents, so any change to them profiles afresh.
 KNOWLEDGE_SOURCES = ("sim/*.py", "shared/*.py", "optimizer/stats*.py", "optimizer/modality.py",
-                     "optimizer/profiles.py", "optimizer/alp.py", "bench/sim_profile.py",
-                     "bench/eval_scepsy.py", "bench/eval_setup.py")
+                     "optimizer/profiles.py", "bench/sim_profile.py", "bench/eval_scepsy.py",
+                     "bench/eval_setup.py")
 
 
 @dataclass(frozen=True)
@@ -133,17 +133,22 @@ def _jobs(kind: str, stats: WorkflowStats, per_busy: Mapping[str, float],
 
 
 def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None,
-          reuse: bool = False) -> Knowledge:
+          reuse: bool = False, profiled: Path | None = None) -> Knowledge:
     """Trace both workflows and profile every model (in ``pool``); the result is saved to the
-    JSON file ``cache``, and with ``reuse`` read from it instead when it exists."""
+    JSON file ``cache``, and with ``reuse`` read from it instead when it exists. ``profiled``:
+    a saved knowledge file whose profile points stand in for profiling (the traces, seconds,
+    always run: the pipelines follow the current ALP code)."""
     if cache is not None and reuse and cache.exists():
         return _from_doc(orjson.loads(cache.read_bytes()))
     kinds = ("beam", "rag")
     traced = dict(zip(kinds, pool.map(_trace, kinds), strict=True))
-    jobs = [j for k in kinds for j in _jobs(k, traced[k][0], traced[k][2], calls, quick)]
-    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].tp)  # slowest first
-    done = dict(zip(order, pool.map(run_profile, [jobs[i] for i in order]), strict=True))
-    points = _measured(p for i in range(len(jobs)) for p in done[i])
+    if profiled is not None:
+        points = _from_doc(orjson.loads(profiled.read_bytes())).points
+    else:
+        jobs = [j for k in kinds for j in _jobs(k, traced[k][0], traced[k][2], calls, quick)]
+        order = sorted(range(len(jobs)), key=lambda i: -jobs[i].tp)  # slowest first
+        done = dict(zip(order, pool.map(run_profile, [jobs[i] for i in order]), strict=True))
+        points = _measured(p for i in range(len(jobs)) for p in done[i])
     k = Knowledge({kd: t[0] for kd, t in traced.items()},
                   {kd: Pipeline.from_stats(t[0]) for kd, t in traced.items()},
                   ProfileBook(points), points, {kd: t[1] for kd, t in traced.items()})
@@ -154,8 +159,8 @@ def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None,
 
 
 def knowledge_key(calls: int, quick: bool) -> str:
-    """What :func:`learn` computes is a pure function of this key (seeded simulations): the
-    settings, the Python and numpy versions and the contents of ``KNOWLEDGE_SOURCES``."""
+    """The profiles :func:`learn` computes are a pure function of this key (seeded
+    simulations): the settings, Python and numpy versions, ``KNOWLEDGE_SOURCES``' contents."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(f"{calls}/{quick}/{platform.python_version()}/{np.__version__}".encode())
     for pattern in KNOWLEDGE_SOURCES:

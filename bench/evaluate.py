@@ -15,7 +15,7 @@ Scepsy's predicted capacity on each cluster; every system runs the same rates wi
 seeds. A second scenario (``bench.eval_daemon``) steps the RAG rate while beam holds steady and
 compares the daemon's decisions with the autoscaler over time (run alongside the points). A
 series of points (one system, workflow and cluster) stops after 2 consecutive rates it does
-not sustain. Traces and profiles are cached under ``--cache``, keyed by the settings and the
+not sustain. Profiles are cached under ``--cache``, keyed by the settings and the
 contents of the sources they depend on (``--fresh`` recomputes). ``--report-only`` re-renders
 the summary and report of an earlier run from its ``evaluation.json``.
 """
@@ -191,22 +191,21 @@ def _point_wall(points: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def _knowledge(pool: Executor, args: argparse.Namespace,
                lengths: RunLengths) -> tuple[Knowledge, str]:
-    """Traces and profiles: from DIR/knowledge.json (``--reuse-profiles``), from the cache
-    when it holds this key (the same settings and sources: the same seeded result), else
-    computed and cached. Also returns where they came from, for the report."""
+    """Traces and profiles: all from DIR/knowledge.json (``--reuse-profiles``); else traced,
+    with the profiles from the cache when it holds this key (the same settings and sources:
+    the same seeded result), else profiled and cached. Also says where they came from."""
     mine = args.out / "knowledge.json"
     if args.reuse_profiles and mine.exists():
         return learn(pool, lengths.profile_calls, args.quick, mine, reuse=True), str(mine)
     key = knowledge_key(lengths.profile_calls, args.quick)
     cached = args.cache / f"knowledge-{'quick' if args.quick else 'full'}-{key}.json"
     if cached.exists() and not args.fresh:
-        k = learn(pool, lengths.profile_calls, args.quick, cached, reuse=True)
-        shutil.copyfile(cached, mine)
-        return k, f"cache {cached} (key {key})"
+        k = learn(pool, lengths.profile_calls, args.quick, mine, profiled=cached)
+        return k, f"traced; profiles from the cache {cached} (key {key})"
     k = learn(pool, lengths.profile_calls, args.quick, mine)
     args.cache.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(mine, cached)
-    return k, f"computed (key {key})"
+    return k, f"traced and profiled (cached as key {key})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
