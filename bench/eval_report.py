@@ -90,9 +90,16 @@ def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, A
     return summary, shortfalls
 
 
+def _beam_latency(p: Point) -> float | None:
+    """Beam search's simulated mean latency in a combined point (None elsewhere)."""
+    beam = (p.get("workflows") or {}).get("beam") if p["workflow"] == "combined" else None
+    return beam["latency_mean"] if beam else None
+
+
 def _shortfall(p: Point, s: Point, what: str) -> dict[str, Any]:
     return {"workflow": p["workflow"], "gpus": p["gpus"], "system": p["system"],
             "rate": p["rate"], "what": what,
+            "beam_latency": {"baseline": _beam_latency(p), "scepsy": _beam_latency(s)},
             "baseline": {"latency_mean": p["latency_mean"], "throughput": p["throughput"],
                          "allocation": p.get("allocation"), "alp": p.get("alp"),
                          "replica_range": p.get("replica_range")},
@@ -111,6 +118,17 @@ def cause(s: dict[str, Any]) -> str:
     not)."""
     b, sc = s["baseline"], s["scepsy"]
     wf = "rag" if s["workflow"] == "combined" else s["workflow"]
+    beam = s.get("beam_latency") or {}
+    trade = ""
+    if beam.get("baseline") and beam.get("scepsy") and beam["baseline"] > LATENCY_SLACK * beam[
+            "scepsy"]:
+        trade = (f"Trade-off: the baseline's beam search is slower ({_fmt(beam['baseline'])} s "
+                 f"vs Scepsy's {_fmt(beam['scepsy'])} s; Scepsy's egalitarian split weighs "
+                 "both workflows). ")
+    return trade + _cause(s, b, sc, wf)
+
+
+def _cause(s: dict[str, Any], b: dict[str, Any], sc: dict[str, Any], wf: str) -> str:
     if b.get("alp") is None:
         return (f"autoscaled (replicas over the window: {b.get('replica_range')}); the ALP "
                 "cannot rate a changing allocation")
@@ -132,7 +150,10 @@ def cause(s: dict[str, Any]) -> str:
     else:
         better = bt > st * 1.0001
     if better:
-        return f"{view}. Search: the ALP rates the baseline better, the search did not pick it"
+        return (f"{view}. Search: the ALP rates the baseline better, the search did not pick "
+                "it (the search lays each workflow out as one contiguous run per LLM, in a "
+                "fixed packing order: a placement that interleaves workflows or puts one "
+                "LLM's replicas on scattered GPU pieces is outside its space)")
     return (f"{view}. ALP ranking: it rates Scepsy's allocation better, the simulator does "
             "not")
 

@@ -163,3 +163,18 @@ def test_a_series_stops_after_consecutive_unsustained_rates() -> None:
     # points come back in the jobs' order
     order = [(j.system, j.rate) for j in jobs if (j.system, j.rate) in ran]
     assert [(p["system"], p["rate"]) for p in points] == order
+
+
+def test_combined_shortfall_names_the_beam_trade_off() -> None:
+    alloc = [{"model": "m", "replicas": 1, "tp": 1, "share": 1.0}]
+
+    def combined(system: str, rag_latency: float, beam_latency: float) -> dict[str, object]:
+        return {**_pt(system, 2.0, 2.0, True, rag_latency, allocation=alloc,
+                      alp={"rag": {"throughput": 3.0, "latency": rag_latency}}),
+                "workflow": "combined",
+                "workflows": {"beam": {"latency_mean": beam_latency}}}
+
+    _, found = summarise([combined("independent", 1.0, 30.0), combined("scepsy", 2.0, 20.0)])
+    assert "Trade-off" in cause(found[0]) and "30" in cause(found[0])
+    _, found = summarise([combined("independent", 1.0, 20.0), combined("scepsy", 2.0, 20.0)])
+    assert "Trade-off" not in cause(found[0])
