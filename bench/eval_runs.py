@@ -53,8 +53,8 @@ def _window(job: PointJob) -> tuple[float, float, float]:
     else:
         warm = lengths.warmup_latencies * job.light_latency
         window = max(n / job.rate, lengths.min_window_latencies * job.light_latency)
-        if job.kind == "combined":  # enough beam requests too, not only RAG's
-            window = max(window, lengths.requests["beam"] / job.beam_rate)
+        if job.kind == "combined":  # enough beam requests to judge it sustained, too
+            window = max(window, 0.5 * lengths.requests["beam"] / job.beam_rate)
     return warm, warm + window, 3.0 * job.light_latency + 30.0
 
 

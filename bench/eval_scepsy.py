@@ -19,6 +19,7 @@ silently replaced; every figure is simulated.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import platform
 import shutil
@@ -64,11 +65,11 @@ PROFILE_KEYS: dict[str, tuple[tuple[int, float], ...]] = {
     "llama-3-8b": ((1, 1.0), (1, 0.5), (2, 1.0), (2, 0.5)),
 }
 TRACE = {"beam": (0.05, 150), "rag": (0.5, 300)}  # light load: rate, requests
-# The sources the profiles depend on (repository-relative globs): the profile cache is keyed
-# by their contents, so any change to them profiles afresh.
+# The modules the profiles depend on (repository-relative globs): the profile cache is keyed
+# by their contents and by this module's tracing and profiling code and settings, so any
+# change to them profiles afresh.
 KNOWLEDGE_SOURCES = ("sim/*.py", "shared/*.py", "optimizer/stats*.py", "optimizer/modality.py",
-                     "optimizer/profiles.py", "bench/sim_profile.py", "bench/eval_scepsy.py",
-                     "bench/eval_setup.py")
+                     "optimizer/profiles.py", "bench/sim_profile.py")
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,13 @@ def learn(pool: Executor, calls: int, quick: bool, cache: Path | None = None,
 
 def knowledge_key(calls: int, quick: bool) -> str:
     """The profiles :func:`learn` computes are a pure function of this key (seeded
-    simulations): the settings, Python and numpy versions, ``KNOWLEDGE_SOURCES``' contents."""
+    simulations): the settings, Python and numpy versions, ``KNOWLEDGE_SOURCES``' contents
+    and the source of this module's functions that trace, profile and save."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(f"{calls}/{quick}/{platform.python_version()}/{np.__version__}".encode())
+    h.update(repr((BEAM, RAG, GPU, PROFILE_KEYS, TRACE, PROFILE_REQUESTS, REFINE)).encode())
+    for fn in (_trace, _jobs, learn, _measured, _to_doc, _from_doc):
+        h.update(inspect.getsource(fn).encode())
     for pattern in KNOWLEDGE_SOURCES:
         for f in sorted(root.glob(pattern)):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
