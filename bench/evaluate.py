@@ -124,14 +124,16 @@ STOP_AFTER = 2  # a series stops after this many consecutive rates it did not su
 
 
 def _run_points(pool: Executor, jobs: Sequence[PointJob], workers: int,
-                run: Callable[[PointJob], dict[str, Any]] = run_point,
+                run: Callable[[PointJob], dict[str, Any]] = run_point, log: Path | None = None,
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run every series (one system, workflow and cluster size) up its rates, and stop a
     series after ``STOP_AFTER`` consecutive rates it did not sustain: the rates above carry
     no peak and no equal-rate latency, and an overloaded point is the costliest to simulate
-    (its backlog grows). Series run side by side, at most ``workers`` points at once, the
-    series with the most simulated work left first. Returns the points run (in ``jobs``
-    order) and the rates skipped. Progress goes to stderr about every tenth of the points."""
+    (its backlog grows). Series run side by side, at most ``workers`` points at once, smaller
+    clusters first (an interrupted run has whole cluster sizes), then the series with the
+    most simulated work left. Returns the points run (in ``jobs`` order) and the rates
+    skipped; each point is also appended to ``log`` (JSON lines) as it finishes. Progress
+    goes to stderr about every tenth of the points."""
     series: dict[tuple[str, str, int], list[int]] = {}
     for i in sorted(range(len(jobs)), key=lambda i: jobs[i].rate):
         series.setdefault((jobs[i].system, jobs[i].kind, jobs[i].gpus), []).append(i)
@@ -143,7 +145,7 @@ def _run_points(pool: Executor, jobs: Sequence[PointJob], workers: int,
     while series or running:
         busy = {key for key, _ in running.values()}
         idle = [key for key in series if key not in busy]
-        for key in sorted(idle, key=lambda k: -sum(_cost(jobs[i]) for i in series[k])):
+        for key in sorted(idle, key=lambda k: (k[2], -sum(_cost(jobs[i]) for i in series[k]))):
             if len(running) >= workers:
                 break
             i = series[key].pop(0)
@@ -154,6 +156,9 @@ def _run_points(pool: Executor, jobs: Sequence[PointJob], workers: int,
         for fut in finished:
             key, i = running.pop(fut)
             done[i] = fut.result()
+            if log is not None:
+                with log.open("ab") as f:
+                    f.write(orjson.dumps(done[i], option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             failed[key] = 0 if done[i]["sustained"] else failed[key] + 1
             if failed[key] >= STOP_AFTER and key in series:
                 skipped += [{"system": key[0], "workflow": key[1], "gpus": key[2],
@@ -265,12 +270,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
+        partial = args.out / "points.jsonl"
+        partial.unlink(missing_ok=True)
+        (args.out / "run_meta.json").write_bytes(orjson.dumps(
+            {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
+                                                                else argv),
+             "workers": args.workers, "rate_fractions": fractions, "sweeps": sweeps}))
         # The dynamic scenario's two long runs go to the pool first and the points fill the
         # workers around them (run after the points, one worker idled while the longer ran).
         with ThreadPoolExecutor(1) as side:
             pending = (None if args.no_dynamic else
                        side.submit(scenario, k, pool, DYNAMIC_GPUS, args.quick))
-            points, skipped = _run_points(pool, jobs, args.workers)
+            points, skipped = _run_points(pool, jobs, args.workers, log=partial)
             phase("points_and_dynamic" if pending else "points")
             dynamic = pending.result() if pending else None
         if pending:
@@ -310,7 +321,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _rerender(out: Path) -> int:
     """The summary, shortfalls and Markdown again from the points of an earlier run (the
-    report's rules changed, the runs did not)."""
+    report's rules changed, the runs did not); of an interrupted run, from the points it
+    finished (``points.jsonl``), labelled partial."""
+    if not (out / "evaluation.json").exists():
+        run = orjson.loads((out / "run_meta.json").read_bytes())
+        pts = [orjson.loads(line) for line in (out / "points.jsonl").read_bytes().splitlines()]
+        run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
+        doc: dict[str, Any] = {
+            "label": "simulated", "partial": True, "points": pts, "dynamic": None,
+            "sweeps": run.pop("sweeps"), "plots": plot_curves(pts, out), "wall_s": 0.0,
+            "meta": {**run, "wall_s": 0.0}}  # unknown: interrupted
+        (out / "evaluation.json").write_bytes(orjson.dumps(doc))
     doc = orjson.loads((out / "evaluation.json").read_bytes())
     summary, shortfalls = summarise(doc["points"])
     meta = doc.get("meta") or {

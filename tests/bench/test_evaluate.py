@@ -89,6 +89,15 @@ def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
         assert f"## {wf}" in md
     assert {f"curves_{wf}_4gpus.png" for wf in WORKFLOWS} <= set(doc["plots"])
     assert all((tmp_path / f).stat().st_size > 0 for f in doc["plots"])
+    # an interrupted run renders from the points it finished, labelled partial
+    lines = (tmp_path / "points.jsonl").read_bytes().splitlines()
+    assert len(lines) == len(points)
+    (tmp_path / "points.jsonl").write_bytes(b"\n".join(lines[:5]) + b"\n")
+    (tmp_path / "evaluation.json").unlink()
+    assert evaluate.main(["--out", str(tmp_path), "--report-only"]) == 0
+    partial = orjson.loads((tmp_path / "evaluation.json").read_bytes())
+    assert partial["partial"] and len(partial["points"]) == 5
+    assert "PARTIAL" in (tmp_path / "evaluation.md").read_text()
 
 
 def _pt(system: str, rate: float, measured: float, sustained: bool, latency: float = 1.0,
