@@ -145,6 +145,11 @@ def _cause(s: dict[str, Any], b: dict[str, Any], sc: dict[str, Any], wf: str) ->
         return (f"{view}. ALP capacity: it predicts the baseline's allocation below the rate "
                 f"with the search's headroom ({_fmt(goal)} req/s), so the search could not "
                 "pick it; the simulator sustains it")
+    if not s["what"].startswith("is faster") and st >= goal * (1.0 - 1e-6):
+        return (f"{view}. ALP capacity: it predicts Scepsy's allocation covers the rate with "
+                f"the search's headroom ({_fmt(goal)} req/s), the simulator does not sustain "
+                "it; the search, which takes the lowest predicted latency among allocations "
+                "covering the rate, had no reason to prefer the baseline's")
     if s["what"].startswith("is faster"):
         better = bl is not None and sl is not None and bl < sl
     else:
@@ -325,7 +330,9 @@ def plot_curves(points: Sequence[Point], out: Path) -> list[str]:
                 ax.scatter([p["throughput"] for p in pts if not p["sustained"]],
                            [p["latency_mean"] for p in pts if not p["sustained"]],
                            marker="x", color="black", zorder=3)
-            ax.set_yscale("log")
+            if any(0 < (p["latency_mean"] or 0) < math.inf for s in systems
+                   for p in groups.get((wf, gpus, s), [])):
+                ax.set_yscale("log")  # (no finite latency at all: a linear empty panel)
             ax.set_xlabel("throughput (req/s, simulated)")
             ax.set_ylabel("mean latency (s, simulated)")
             ax.set_title(f"{wf}, {gpus} GPUs: {title}")

@@ -23,6 +23,7 @@ the summary and report of an earlier run from its ``evaluation.json``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -326,6 +327,8 @@ def _rerender(out: Path) -> int:
     if not (out / "evaluation.json").exists():
         run = orjson.loads((out / "run_meta.json").read_bytes())
         pts = [orjson.loads(line) for line in (out / "points.jsonl").read_bytes().splitlines()]
+        for p in pts:  # JSON has no infinity: an unserved point's latencies came back null
+            p.update({f: math.inf for f in ("latency_mean", "latency_p90") if p[f] is None})
         run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
         doc: dict[str, Any] = {
             "label": "simulated", "partial": True, "points": pts, "dynamic": None,
