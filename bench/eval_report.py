@@ -7,7 +7,8 @@ Scepsy is not at or above a baseline, with the planner's facts that explain it) 
 in the layout of the paper's Fig. 6 (against the baselines) and Fig. 10 (ablations).
 
 Definitions: a system's peak is the highest *offered* rate among its sustained points
-(``max_sustained_rate``; every system is offered the same rates with the same seeds), and
+(``max_sustained_rate``; a point whose allocation does not place on the cluster counts as not
+sustained; every system is offered the same rates with the same seeds), and
 ``peak_throughput`` the in-window completion rate measured at that point (0 when none is
 sustained). Peaks compare by offered rate: the measured rate of one point depends on its
 window (the autoscaler's is longer, after a warm-up of minutes) and on the Poisson arrivals
@@ -42,6 +43,12 @@ def _group(points: Sequence[Point]) -> dict[tuple[str, int, str], list[Point]]:
     return out
 
 
+def _counts(p: Point) -> bool:
+    """Sustained on the cluster: an allocation ``optimizer.placement`` cannot place there was
+    simulated first-fit on more GPUs than the cluster has, so it sustains nothing here."""
+    return bool(p["sustained"]) and p.get("placed") is not False
+
+
 def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The summary, and the shortfalls (where Scepsy is not at or above a baseline)."""
     groups = _group(points)
@@ -50,11 +57,11 @@ def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, A
     for wf, gpus, system in sorted(groups):
         pts = groups[wf, gpus, system]
         base = {p["rate"]: p for p in groups.get((wf, gpus, "scepsy"), [])}
-        ok = [p for p in pts if p["sustained"]]
+        ok = [p for p in pts if _counts(p)]
         ratios = [p["latency_mean"] / base[p["rate"]]["latency_mean"] for p in ok
-                  if p["rate"] in base and base[p["rate"]]["sustained"]]
+                  if p["rate"] in base and _counts(base[p["rate"]])]
         ratios_p90 = [p["latency_p90"] / base[p["rate"]]["latency_p90"] for p in ok
-                      if p["rate"] in base and base[p["rate"]]["sustained"]]
+                      if p["rate"] in base and _counts(base[p["rate"]])]
         top = max(ok, key=lambda p: p["rate"], default=None)
         entry = {
             "peak_throughput": top["throughput"] if top is not None else 0.0,
@@ -71,9 +78,9 @@ def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, A
             continue
         for p in pts:
             s = base.get(p["rate"])
-            if s is None or not p["sustained"]:
+            if s is None or not _counts(p):
                 continue
-            if not s["sustained"]:
+            if not _counts(s):
                 shortfalls.append(_shortfall(p, s, "sustains a rate Scepsy does not"))
             elif p["latency_mean"] * LATENCY_SLACK < s["latency_mean"]:
                 shortfalls.append(_shortfall(p, s, "is faster at this rate"))
@@ -227,7 +234,8 @@ def markdown(summary: dict[str, Any], shortfalls: list[dict[str, Any]], meta: di
                        if p.get("placed") is False)
     if unplaced:
         lines += ["Allocations `optimizer.placement` could not place on the cluster (the "
-                  "simulator ran them anyway, packing first-fit): "
+                  "simulator ran them anyway, first-fit, spilling onto GPUs the cluster does "
+                  "not have; they count as not sustained, their latencies are not compared): "
                   + "; ".join(f"{w} {g} GPUs {s} ({n} rates)"
                               for (w, g, s), n in sorted(unplaced.items())) + ".", ""]
     lines += alp_check(points)

@@ -189,3 +189,13 @@ def test_combined_shortfall_names_the_beam_trade_off() -> None:
     assert "Trade-off" in cause(found[0]) and "30" in cause(found[0])
     _, found = summarise([combined("independent", 1.0, 20.0), combined("scepsy", 2.0, 20.0)])
     assert "Trade-off" not in cause(found[0])
+
+
+def test_an_allocation_that_does_not_place_sustains_nothing() -> None:
+    points = [_pt("scepsy", 1.0, 1.0, True), _pt("scepsy", 2.0, 1.2, False),
+              _pt("independent", 1.0, 1.0, True, 0.5, placed=False),
+              _pt("independent", 2.0, 2.0, True, 0.5, placed=False)]
+    summary, shortfalls = summarise(points)
+    assert summary["beam"]["4"]["independent"]["max_sustained_rate"] == 0.0
+    assert summary["beam"]["4"]["independent"]["rates_compared"] == 0
+    assert shortfalls == []
