@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from optimizer.profiles import FOLLOW_TOLERANCE, Profile, ProfilePoint
+from optimizer.profiles import FOLLOW_TOLERANCE, ProfilePoint
 from shared.records import CallRecord
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import SimCall, WorkloadSpec, simulate
@@ -217,30 +217,22 @@ def decide(run: Callable[[float], tuple[bool, bool]]) -> bool:
 def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[ProfilePoint]:
     """Double the rate from light load until the replica stops keeping up, bisect to
     ``job.precision``, then add points below the saturation estimate for the latency curve.
-    A marginally overloaded probe is re-measured over a longer window, which decides: only
-    that reading is kept, since the profile reads its saturation below the first overloaded
-    point (``Profile.from_points``) and a superseded short window would cap it.
-    ``measure``: the point measurement (default: the simulator)."""
+    A marginally overloaded probe is re-measured over a longer window, which decides (both
+    points are kept). ``measure``: the point measurement (default: the simulator)."""
     point = measure or _point
     points: list[ProfilePoint] = []
-    measured = 0  # readings taken, superseded ones included (each gets its own seed)
 
     def probe(rate: float) -> bool:
-        readings: list[ProfilePoint] = []
-
         def run(scale: float) -> tuple[bool, bool]:
-            nonlocal measured
-            p, _ = point(job, rate, 1000 + measured, scale)
-            measured += 1
-            readings.append(p)
+            p, _ = point(job, rate, 1000 + len(points), scale)
+            points.append(p)
             return keeps_up(p.offered_rate, p.throughput), marginal(p.offered_rate, p.throughput)
 
-        ok = decide(run)
-        points.append(readings[-1])
-        return ok
+        return decide(run)
 
     bracket(probe, job.start_rate, 2.0, job.precision, job.max_doublings)
-    saturation = Profile.from_points(points).saturation
+    kept = [p.throughput for p in points if keeps_up(p.offered_rate, p.throughput)]
+    saturation = max(kept, default=points[0].throughput)
     for k, frac in enumerate(job.refine):
         target = frac * saturation
         if any(abs(p.offered_rate - target) < 0.05 * target for p in points):

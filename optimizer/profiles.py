@@ -12,12 +12,9 @@ Invariants:
   daemon, the CLI and a profiler can take turns; async callers use the ``*_async`` wrappers,
   which run in a thread;
 - ``T_m`` is the largest throughput measured at a point where the engine kept up (achieved
-  within ``FOLLOW_TOLERANCE`` of offered) below the lightest offered rate it did not keep up
-  with; an overloaded point's reading never raises it: over a finite window a backlog
-  draining, a transient batch or a still-warm prefix cache can read above what the engine
-  sustains, and deep overload can read far below it. A point that kept up above a rate that
-  overloaded is the same noise the other way (a sweep near saturation sees both), and a
-  capacity the engine cannot hold is the costlier error: the search sizes to it;
+  within ``FOLLOW_TOLERANCE`` of offered); an overloaded point's reading never raises it: over
+  a finite window a backlog draining, a transient batch or a still-warm prefix cache can read
+  above what the engine sustains, and deep overload can read far below it;
 - ``L(λ)`` is non-decreasing in ``λ``, finite below ``T_m`` and ``inf`` at or beyond it;
 - a curve scaled to another GPU share (throughput x r, latency at rate λ/r stretched by 1/r)
   says so in ``scaled_from``.
@@ -188,7 +185,7 @@ class Profile:
     """The throughput-latency curve of one key, ready for vectorised lookups.
 
     ``rates`` are achieved throughputs of the points where the engine kept up with the
-    offered rate, below the first offered rate where it did not (ascending); ``lat`` maps a statistic to latencies at those rates, made
+    offered rate (ascending); ``lat`` maps a statistic to latencies at those rates, made
     non-decreasing and interpolated linearly between them. ``saturation`` is the highest of
     those rates (plus a sliver, so that the last point stays finite); beyond it ``inf``.
     """
@@ -209,12 +206,10 @@ class Profile:
         if len(keys) != 1:
             raise ProfileError(f"points of several keys: {sorted(keys)}")
         pts = sorted(points, key=lambda p: p.offered_rate)
-        kept_up = [p.throughput >= (1.0 - FOLLOW_TOLERANCE) * p.offered_rate for p in pts]
-        saturated = not all(kept_up)
-        # the points below the first overload (see the module's invariants)
-        first_over = kept_up.index(False) if saturated else len(pts)
-        following = pts[:first_over]
-        if not following:  # the lightest point overloaded: its reading is all we have
+        following = [p for p in pts
+                     if p.throughput >= (1.0 - FOLLOW_TOLERANCE) * p.offered_rate]
+        saturated = len(following) < len(pts)
+        if not following:  # every point overloaded: the lightest one's reading is all we have
             following = pts[:1]
         rates = np.array([p.throughput for p in following], dtype=np.float64)
         order = np.argsort(rates, kind="stable")
