@@ -240,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _rerender(args.out)
     started = time.perf_counter()
     lengths = QUICK if args.quick else FULL
+    command = "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.scale != 1.0:
         lengths = replace(lengths, requests={k: max(1, round(v * args.scale))
                                              for k, v in lengths.requests.items()},
@@ -274,8 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         partial = args.out / "points.jsonl"
         partial.unlink(missing_ok=True)
         (args.out / "run_meta.json").write_bytes(orjson.dumps(
-            {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
-                                                                else argv),
+            {"command": command,
              "workers": args.workers, "rate_fractions": fractions, "sweeps": sweeps}))
         # The dynamic scenario's two long runs go to the pool first and the points fill the
         # workers around them (run after the points, one worker idled while the longer ran).
@@ -289,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phase("dynamic_rest")
     summary, shortfalls = summarise(points)
     wall = time.perf_counter() - started
-    meta = {"command": "python -m bench.evaluate " + " ".join(sys.argv[1:] if argv is None
-                                                               else argv),
+    meta = {"command": command,
             "wall_s": wall, "workers": args.workers, "rate_fractions": fractions,
             "load_average": os.getloadavg(), "cpus": os.cpu_count(),
             "stop_after": STOP_AFTER, "skipped": len(skipped), "knowledge": knowledge_from}
