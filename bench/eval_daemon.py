@@ -4,8 +4,9 @@ Role: ``bench.evaluate``'s second scenario. Beam search holds a steady rate whil
 steps up and down; both systems run in ``bench.eval_dynsim`` on the same arrivals (same seed):
 
 - scepsy: the optimizer daemon's loop with its default settings (``OptimizerSettings``): every
-  ``interval_s`` the calls of the last ``window_s`` are written to a trace store
-  (``sim.trace.call_rows``) and summarised (``optimizer.stats.summarise_store``), the detector
+  ``interval_s`` the calls of the last ``window_s`` are written to a trace store as the proxy
+  writes them (``sim.trace.call_rows``; calls still in flight as open rows,
+  ``sim.trace.open_rows``, so queued requests count) and summarised (``optimizer.stats.summarise_store``), the detector
   (``optimizer.decide.detect``) looks for confirmed changes, and on one the search runs at the
   observed rates (``optimizer.search.search_and_place``) and ``optimizer.decide.judge`` decides;
   a rollout starts the changed models' new replicas, which serve after ``cold_start_s``, then
@@ -51,10 +52,11 @@ from optimizer.decide import (
 from optimizer.search import SearchResult, search_and_place
 from optimizer.stats import Window, summarise_store
 from shared.optimizer_settings import OptimizerSettings
+from shared.settings import StoreSettings
 from shared.store import SegmentWriter
 from sim.cluster import Allocation
 from sim.des import SimResult
-from sim.trace import DEFAULT_T0_US, call_rows
+from sim.trace import DEFAULT_T0_US, call_rows, open_rows
 
 STEPS = (0.25, 0.7, 0.25, 0.55)  # RAG rate per step, x Scepsy's RAG capacity next to beam
 BUCKET_S = 30.0
@@ -85,20 +87,31 @@ class Daemon:
     unplaced: list[float] = field(default_factory=list)  # rollouts decided, not placeable
     started: int = 0
     _written: int = 0
+    _announced: set[int] = field(default_factory=set)  # calls written as open rows
 
     @property
     def interval_s(self) -> float:
         return self.cfg.interval_s
 
     def _record(self, sim: DynamicSimulation) -> None:
+        """What the proxy would have written by now: the calls finished since the last tick,
+        and open rows for the calls running for at least a flush interval, once each."""
         new = sim.trace[self._written:]
         self._written = len(sim.trace)
+        rows = []
         if new:
             shell = SimResult("simulated", sim.seed, sim.now, 0.0, 0, (0.0, sim.now), {}, (),
                               tuple(new))
+            rows = call_rows(shell, bodies=False)
+        flush_s = StoreSettings().flush_interval_s
+        running = [c for c in sim.open_calls()
+                   if c.t_start <= sim.now - flush_s and c.call_id not in self._announced]
+        self._announced.update(c.call_id for c in running)
+        rows += open_rows(running, seed=sim.seed)
+        if rows:
             writer = SegmentWriter(self.store, "simulated")
             try:
-                writer.write(call_rows(shell, bodies=False))
+                writer.write(rows)
             finally:
                 writer.close()
 

@@ -10,8 +10,8 @@ grouped by workflow request, each with the calls of its request it must wait for
 
 Invariants:
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
-  ``attempt``; a call whose last attempt failed (status not 2xx, an error, no ``t_end``) or that
-  has no body is skipped, as its cost is unknown;
+  ``attempt`` (its finished row over its open row); a call whose last attempt failed (status
+  not 2xx, an error, no ``t_end``) or that has no body is skipped, as its cost is unknown;
 - dependency (DESIGN §3.5): call ``j`` waits for every call ``i`` of its request that ended
   before ``j`` started in the trace. Only the frontier is kept (``i`` is dropped when it ended
   before another predecessor of ``j`` started), which the replay makes transitive, so the
@@ -101,7 +101,9 @@ def _latest_attempts(rows: Iterable[Sequence[Any]]) -> list[_Row]:
     for values in rows:
         row = _Row(*values)
         seen = latest.get(row.call_id)
-        if seen is None or row.attempt > seen.attempt:
+        # the finished row of an attempt supersedes its open row (``shared.records``)
+        if seen is None or (row.attempt, row.t_end is not None) > (
+                seen.attempt, seen.t_end is not None):
             latest[row.call_id] = row
     return list(latest.values())
 

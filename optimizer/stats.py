@@ -27,10 +27,14 @@ Invariants:
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
   ``attempt``;
 - calls without a request id are counted (``unidentified_calls``) and excluded from every
-  per-request figure; calls without ``t_end`` are ignored;
+  per-request figure;
+- an open row (a call in flight when the proxy flushed, ``shared.records``) that no finished
+  row supersedes is a call still running: its start counts for its request's arrival, and its
+  request is not completed (under overload this is what keeps the arrival rate and the
+  completed requests honest); it feeds nothing else;
 - a request arrives at its first call's start and counts only if that start lies in the window;
-  it is *completed* when its last call ended by ``t_to - settle``; only completed requests feed
-  per-request figures;
+  it is *completed* when none of its calls still runs and its last call ended by
+  ``t_to - settle``; only completed requests feed per-request figures;
 - times in the output are seconds; nothing here opens files (see :func:`summarise_store`);
 - a null ``model`` is reported under the name ``""``.
 """

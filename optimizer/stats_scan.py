@@ -21,10 +21,15 @@ Invariants (DESIGN §3.4):
 - a retried call is one logical call: rows sharing a ``call_id`` keep only the highest
   ``attempt`` (skipped when no row has ``attempt > 0``);
 - a request is keyed by ``hash(coalesce(workflow, ''), request_id)``; calls without a request
-  id only feed the unidentified counts and the token histograms; calls without ``t_end`` only
-  the token histograms;
-- a request arrives at its first (ended) call's start and counts only if that lies in
-  ``[t_from, t_to - settle)``; it is completed when its last call ended by ``t_to - settle``;
+  id only feed the unidentified counts and the token histograms;
+- an open row (``t_end`` null: a call in flight when the proxy flushed, ``shared.records``) is
+  superseded by a finished row of the same ``call_id``; one that is not marks its call as
+  still running: the call's start counts for its request's arrival, and the request is not
+  completed. Open rows feed nothing else (matching them decodes ``call_id``, paid only when
+  the store holds any);
+- a request arrives at its first call's start and counts only if that lies in
+  ``[t_from, t_to - settle)``; it is completed when no call of it is still running and its
+  last call ended by ``t_to - settle``;
 - the union sample is a pure function of the request keys and the number of calls (the same
   store gives the same sample), and includes every request when they hold at most
   ``union_cap`` calls;
@@ -105,6 +110,7 @@ class _Names(NamedTuple):
     top: str  # retried call ids
     c: str  # the calls, de-duplicated, with integer request and pair keys
     g: str  # (request, pair) segments
+    o: str  # calls still running: open rows no finished row supersedes
     r: str  # requests that arrived
     q: str  # completed requests with offsets and the sample flag
 
@@ -145,7 +151,7 @@ def scan(
     try:
         return _scan(con, names, bounds, union_cap)
     finally:
-        for table in (names.q, names.r, names.g, names.c, names.top, names.n):
+        for table in (names.q, names.r, names.o, names.g, names.c, names.top, names.n):
             con.execute(f"DROP TABLE IF EXISTS {table}")
         con.execute(f"DROP VIEW IF EXISTS {names.raw}")
         con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
@@ -188,6 +194,12 @@ def _scan(
         f"ANTI JOIN {t.top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
         if retried and retried[0] else ""
     )
+    # Open rows are matched to their finished rows by call id, the one column the pass would
+    # not otherwise decode: it is read only when the store holds open rows (a filtered count
+    # that Parquet statistics mostly answer).
+    opened = con.execute(f"SELECT count(*) FROM {t.raw} WHERE t_end IS NULL").fetchone()
+    has_open = bool(opened and opened[0])
+    ck = ", hash(b.call_id) AS ck" if has_open else ""
     # The one pass over the store: every later pass reads this narrow integer table (the
     # strings, and call_id for the retries, are decoded once).
     con.execute(f"""
@@ -195,7 +207,7 @@ def _scan(
         SELECT CASE WHEN b.request_id IS NULL THEN NULL
                     ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
                hash(coalesce(b.workflow, ''), b.model) AS pk, b.t_start, b.t_end,
-               b.prompt_tokens, b.completion_tokens
+               b.prompt_tokens, b.completion_tokens{ck}
         FROM {t.raw} b {dedup}
     """)
     con.execute(f"""
@@ -211,24 +223,31 @@ def _scan(
         SELECT pk, prompt_tokens, completion_tokens, unid,
                GROUPING(prompt_tokens, completion_tokens, unid) AS gid, count(*) AS n
         FROM (SELECT pk, prompt_tokens, completion_tokens, rk IS NULL AS unid
-              FROM {t.c} WHERE {in_window})
+              FROM {t.c} WHERE {in_window} AND t_end IS NOT NULL)
         GROUP BY GROUPING SETS ((pk, prompt_tokens), (pk, completion_tokens), (pk, unid))
     """).fetchall()
     arrive = " AND ".join(
         [f"t0 >= {int(lo)}" if lo is not None else "true"]
         + ([f"t0 < {int(hi)}"] if hi is not None else [])
     )
+    running = _running_calls(con, t) if has_open else 0
+    # A request with a call still running arrives at its first start, whichever row holds it.
+    extra = (f" UNION ALL SELECT o.rk, n.pair, o.t_start, NULL, o.t_start, 0, 0, true "
+             f"FROM {t.o} o JOIN {t.n} n USING (pk)") if running else ""
     con.execute(f"""
         CREATE TEMP TABLE {t.r} AS
         SELECT rk, any_value(pair) AS pair, min(t0) AS t0, max(t1) AS t1, max(s1) AS s1,
-               sum(dur)::BIGINT AS dur, sum(calls)::BIGINT AS calls
-        FROM {t.g} GROUP BY rk HAVING {arrive}
+               sum(dur)::BIGINT AS dur, sum(calls)::BIGINT AS calls, bool_or(open) AS open
+        FROM (SELECT rk, pair, t0, t1, s1, dur, calls, false AS open FROM {t.g}{extra})
+        GROUP BY rk HAVING {arrive}
     """)
     n_wf = len(workflows)
     wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
     arrivals = _per_workflow(con.execute(
         f"SELECT pair, count(*) FROM {t.r} GROUP BY pair").fetchall(), wf_of_pair, n_wf)
     done = f"t1 <= {int(hi)}" if hi is not None else "true"
+    if running:
+        done += " AND NOT open"
     total = con.execute(f"SELECT coalesce(sum(calls), 0) FROM {t.r} WHERE {done}").fetchone()
     keep = sample_threshold(int(total[0]) if total else 0, union_cap)
     sampled = f"rk % {SAMPLE_MODULUS} < {keep}"
@@ -286,6 +305,21 @@ def _scan(
         prompt=_histogram(hist[3]),
         completion=_histogram(hist[5]),
     )
+
+
+def _running_calls(con: duckdb.DuckDBPyConnection, t: _Names) -> int:
+    """Fill ``t.o`` with the calls still running (see the module docstring); their count.
+    ``t.c`` holds ``ck``, the call id's hash: an open row is superseded by a finished row of
+    the same call (parallel calls of one request may share model and start)."""
+    con.execute(f"""
+        CREATE TEMP TABLE {t.o} AS
+        SELECT rk, pk, min(t_start) AS t_start
+        FROM (SELECT * FROM {t.c} WHERE t_end IS NULL AND rk IS NOT NULL) o
+        ANTI JOIN (SELECT ck FROM {t.c} WHERE t_end IS NOT NULL) f USING (ck)
+        GROUP BY rk, pk, ck
+    """)
+    got = con.execute(f"SELECT count(*) FROM {t.o}").fetchone()
+    return int(got[0]) if got else 0
 
 
 def _histogram(rows: list[tuple[int, int, int]]) -> Histogram:

@@ -217,6 +217,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
     tried: list[Replica] = []
     status = 0
     while True:
+        recorder.begin(rec)
         try:
             rep = router.pick(call.model, call.prompt, exclude=tried)
         except NoReplica as exc:

@@ -1,16 +1,25 @@
 """The recorder: takes call records from request handlers without waiting, writes segments.
 
 Role: the bounded buffer between the request path and the trace store. Handlers call
-:meth:`Recorder.submit` (synchronous, O(1), never awaits, so it is safe in a ``finally`` of a
-cancelled handler); one background task hands full or aged batches to a worker thread that
-writes them through :class:`shared.store.SegmentWriter`.
+:meth:`Recorder.begin` when an attempt starts and :meth:`Recorder.submit` when it ends (both
+synchronous, O(1), never awaiting, so safe in a ``finally`` of a cancelled handler); one
+background task hands full or aged batches to a worker thread that writes them through
+:class:`shared.store.SegmentWriter`.
+
+Calls in flight are announced: at each aged flush, every call begun at least
+``flush_interval_s`` earlier and not yet submitted or announced is written once as an open row
+(``shared.records``). Without them the store would show only finished calls, and under
+overload — requests queued for minutes — the optimizer would read the arrival rate low and
+requests as complete early, just when it must act.
 
 Invariants:
 - ``submit`` never blocks: past ``queue_size`` pending records a record is dropped and counted;
 - pending = buffered + being written ≤ ``queue_size``;
 - a segment is written when ``segment_rows`` records wait or ``flush_interval_s`` passed, and
   everything still buffered is written by :meth:`close` (graceful shutdown);
-- one writer thread at a time owns the DuckDB connection.
+- one writer thread at a time owns the DuckDB connection;
+- a call gets at most one open row, and only if it was still running a whole flush interval
+  after it began (short calls, the common case, cost no extra row).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from shared.records import COLUMN_NAMES, CallRecord
+from shared.records import COLUMN_NAMES, CallRecord, now_us
 from shared.settings import StoreSettings
 from shared.store import SegmentWriter
 
@@ -35,12 +44,14 @@ class Recorder:
         self.settings = settings
         self.proxy_id = proxy_id
         self._buffer: list[tuple[Any, ...]] = []
+        self._open: dict[int, CallRecord] = {}  # begun, not yet submitted nor announced
         self._writing = 0
         self._wake = asyncio.Event()
         self._writer: SegmentWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.written = 0
+        self.written = 0  # rows on disk, open rows included
+        self.announced = 0  # open rows queued
         self.dropped = 0
         self.segments = 0
         self.write_errors = 0
@@ -50,8 +61,24 @@ class Recorder:
         """Records accepted and not yet on disk."""
         return len(self._buffer) + self._writing
 
+    def begin(self, record: CallRecord) -> None:
+        """An attempt starts: announced as open if it is still running at a later flush."""
+        self._open[id(record)] = record
+
+    def _announce(self, before_us: int) -> None:
+        """Queue open rows for the calls begun before ``before_us`` and still running."""
+        due = [key for key, rec in self._open.items() if rec.t_start < before_us]
+        room = self.settings.queue_size - len(self._buffer) - self._writing
+        for key in due:
+            rec = self._open.pop(key)
+            if room > 0:  # announcing is best effort: finished rows matter more
+                self._buffer.append(rec.opened())
+                self.announced += 1
+                room -= 1
+
     def submit(self, record: CallRecord) -> bool:
         """Queue one record; False (and counted) when the queue is full."""
+        self._open.pop(id(record), None)
         if len(self._buffer) + self._writing >= self.settings.queue_size:
             self.dropped += 1
             return False
@@ -75,6 +102,8 @@ class Recorder:
             # Full segments go out as soon as they fill; a partial one only once the interval
             # has passed, so a steady stream of records makes few, large segments.
             aged = loop.time() >= last + interval
+            if aged and self._open:
+                self._announce(now_us() - round(interval * 1e6))
             await self._flush(partial=aged)
             if aged:
                 last = loop.time()

@@ -8,7 +8,12 @@ Invariants:
   ``None`` when unknown (a stream cut before its usage event leaves usage unknown, not zero);
 - a retried call keeps its ``call_id``; ``attempt`` counts from 0 across client retries
   (``x-stainless-retry-count``) and the proxy's own retry;
-- ``body`` never holds credentials: :func:`scrub_body` removes secret-looking keys.
+- ``body`` never holds credentials: :func:`scrub_body` removes secret-looking keys;
+- an *open* row (``t_end`` null) announces a call still in flight when the proxy flushed
+  (:meth:`CallRecord.opened`): it carries the identity and ``t_start`` of the finished row that
+  follows it (same ``call_id``, ``attempt`` and ``t_start``), no outcome and no body. Readers
+  let a finished row supersede it; until one does, the call's request is still running. A
+  finished row always has ``t_end``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("body", "VARCHAR"),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in COLUMNS)
+# What an open row (a call still in flight) carries: who called what, where, since when.
+_OPEN_COLUMNS = frozenset({"call_id", "proxy_id", "workflow", "request_id", "model", "endpoint",
+                           "upstream", "attempt", "stream", "t_start", "request_bytes"})
 
 
 @dataclass(slots=True)
@@ -74,6 +82,11 @@ class CallRecord:
 
     def row(self) -> tuple[Any, ...]:
         return astuple(self)
+
+    def opened(self) -> tuple[Any, ...]:
+        """The open row announcing this call while it runs (see the module docstring)."""
+        return tuple(getattr(self, name) if name in _OPEN_COLUMNS else None
+                     for name in COLUMN_NAMES)
 
 
 assert tuple(f.name for f in fields(CallRecord)) == COLUMN_NAMES, "schema and record disagree"

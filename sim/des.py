@@ -299,6 +299,14 @@ class Simulation:
         if run.pending == 0 and not run.failed:
             self.advance(run)
 
+    def open_calls(self) -> list[SimCall]:
+        """The calls in flight now, each once, in start order; ``t_first`` and ``t_end`` are
+        -1 (what the proxy would announce as open rows)."""
+        states = sorted({s.cid: s for s in self.inflight.values()}.values(),
+                        key=lambda s: (s.t_start, s.cid))
+        return [SimCall(s.cid, self.workloads[s.run.workflow].label, s.run.rid, s.call,
+                        s.replica.name, s.t_start, -1.0, -1.0, 0) for s in states]
+
     # --- the loop -----------------------------------------------------------------------
     def run(self, horizon: float, n_requests: int | None, drain_s: float) -> float:
         """Simulate; return the end of the arrival window."""

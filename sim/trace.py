@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from shared.records import COLUMN_NAMES
+from shared.records import COLUMN_NAMES, CallRecord
 from shared.store import SegmentWriter
 from sim.des import SimCall, SimResult
 from sim.workflows import Prompt
 
-__all__ = ["call_rows", "prompt_text", "write_trace"]
+__all__ = ["call_rows", "open_rows", "prompt_text", "write_trace"]
 
 DEFAULT_T0_US = 1_767_225_600_000_000  # 2026-01-01T00:00:00Z
 _WORDS = np.array("""the a of to and is we that this so then for with by as it be are from on
@@ -106,6 +106,16 @@ def call_rows(result: SimResult, *, t0_us: int = DEFAULT_T0_US, proxy_id: str = 
         }
         rows.append(tuple(values[name] for name in COLUMN_NAMES))
     return rows
+
+
+def open_rows(calls: Sequence[SimCall], *, seed: int, t0_us: int = DEFAULT_T0_US,
+              proxy_id: str = "simulated") -> list[tuple[Any, ...]]:
+    """Open rows (``shared.records``) for calls still in flight, e.g.
+    ``Simulation.open_calls()``: what the proxy announces for calls it has not finished. The
+    call ids match the finished rows ``call_rows`` writes for the same run (``seed``)."""
+    return [CallRecord(f"sim-{seed}-{c.call_id}", proxy_id, c.workflow, c.request_id,
+                       c.call.model, c.call.endpoint, upstream=c.replica,
+                       t_start=t0_us + round(c.t_start * 1e6)).opened() for c in calls]
 
 
 def write_trace(result: SimResult, store: str | Path, *, proxy_id: str = "simulated",

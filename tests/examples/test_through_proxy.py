@@ -90,15 +90,18 @@ async def test_beam_through_the_proxy_fans_out_within_each_iteration(proxy: Prox
 async def test_langchain_chat_openai_through_the_proxy(proxy: ProxyHandle) -> None:
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(
-        base_url=f"{proxy.url}/v1",
-        api_key="EMPTY",
-        model="llama-3-8b",  # type: ignore[arg-type]
-        max_tokens=8,
-        temperature=0,
-        max_retries=0,
-        default_headers={"X-Scepsy-Workflow": "lc", "X-Scepsy-Request-Id": "lc-1"},
-    )
+    # Keyword arguments as a user passes them; their declared types move between
+    # langchain-openai releases (aliases, SecretStr), which is not what this test checks.
+    options: dict[str, Any] = {
+        "base_url": f"{proxy.url}/v1",
+        "api_key": "EMPTY",
+        "model": "llama-3-8b",
+        "max_tokens": 8,
+        "temperature": 0,
+        "max_retries": 0,
+        "default_headers": {"X-Scepsy-Workflow": "lc", "X-Scepsy-Request-Id": "lc-1"},
+    }
+    llm = ChatOpenAI(**options)
     out = await llm.ainvoke("Say something.")
     assert isinstance(out.content, str) and out.content
     chunks = [c async for c in llm.astream("Stream something.")]

@@ -67,6 +67,17 @@ def test_workload_groups_dependencies_retries_and_skips() -> None:
     assert wl.depth == pytest.approx(5 / 4)  # r1: chain of 2; the rest: 1
 
 
+def test_finished_row_supersedes_the_open_row() -> None:
+    """The proxy announces a long call with an open row (no end, no body) before its finished
+    row; the pair is one replayable call in either order."""
+    done = rec("a", "r1", 0.0, 9.0)
+    opened = rec("a", "r1", 0.0, None)
+    opened.body, opened.status = None, None
+    for order in ([opened, done], [done, opened]):
+        wl = build_workload("m", rows(order))
+        assert wl.skipped == 0 and len(wl.calls) == 1 and wl.calls[0].body
+
+
 def test_lengths_not_forced_when_asked_or_unknown() -> None:
     wl = build_workload("m", rows([rec("a", "r", 0, 1, completion=None)]))
     assert "ignore_eos" not in orjson.loads(wl.calls[0].body)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.stats import Window, summarise_store
+from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
 
 Write = Callable[[list[Row]], Path]
@@ -106,10 +107,32 @@ def test_window_bounds_arrivals_and_completion(write_store: Write) -> None:
     assert wf.models["gen"].n == pytest.approx(1.0)
 
 
-def test_calls_without_end_are_ignored(write_store: Write) -> None:
-    rows = [call("w", "R", "gen", 0, 1), call("w", "R", "gen", 0.5, None)]
-    wf = summarise_store(write_store(rows))["w"]
-    assert wf.models["gen"].calls == 1
+def _opened(row: Row) -> Row:
+    """The open row the proxy writes for ``row`` while it runs (shared.records)."""
+    return CallRecord(*row).opened()
+
+
+def test_open_rows_are_calls_still_running(write_store: Write) -> None:
+    """A request with a call still in flight (an open row no finished row supersedes) has
+    arrived but is not complete; a finished row supersedes its open row wherever it lies."""
+    queued = call("w", "queued", "gen", 2, None, call_id="q2")  # running, announced
+    early = call("w", "queued", "gen", 0, 1)
+    only = call("w", "only", "gen", 3, None)  # its first and only call still running
+    done = call("w", "done", "gen", 4, 5, call_id="d1")  # finished, announced while running
+    done_open = _opened(call("w", "done", "gen", 4, None, call_id="d1"))
+    stray = call("w", None, "gen", 6, 7, call_id="u1")  # unidentified, announced too
+    # two parallel calls of one request, same model and start: one finished, one running
+    par = [call("w", "par", "gen", 8, 9, call_id="p1"), call("w", "par", "gen", 8, None,
+                                                               call_id="p2")]
+    rows = [done_open, early, _opened(queued), _opened(only), done, stray,
+            _opened(call("w", None, "gen", 6, None, call_id="u1")),
+            _opened(par[0]), par[0], _opened(par[1])]
+    window = Window(t_from_us=0, t_to_us=30 * S, settle_us=2 * S)
+    wf = summarise_store(write_store(rows), window)["w"]
+    assert wf.arrivals == 4  # "only" is seen only through its open row
+    assert wf.requests == 1  # "queued", "only" and "par" still run
+    assert wf.models["gen"].calls == 1 and wf.models["gen"].latency_mean == pytest.approx(1.0)
+    assert wf.unidentified_calls == 1  # the open row does not count a second time
 
 
 def _share_trace(shares: list[float]) -> list[Row]:

@@ -1,5 +1,6 @@
 """optimizer.stats against a brute-force reference on random traces: overlapping and nested
-calls, calls across models at once, retries, missing request ids, calls without an end, windows.
+calls, calls across models at once, retries, missing request ids, calls still running and the
+proxy's open rows of calls that finished later, windows.
 
 The reference re-derives every figure from DESIGN §3.4 row by row in plain Python, so the
 DuckDB pass + numpy unions must agree with it exactly (up to float rounding)."""
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from optimizer.stats import Window, WorkflowStats, summarise_store
+from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
 from tests.optimizer.test_stats_union import _union
 
@@ -42,6 +44,8 @@ def _trace(rng: random.Random) -> list[Row]:
                                  prompt=prompt))
             else:
                 rows.append(call(wf, rid, model, start, end, prompt=prompt))
+                if end is not None and rng.random() < 0.15:  # announced while it ran
+                    rows.append(CallRecord(*rows[-1]).opened())
     return rows
 
 
@@ -65,20 +69,30 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
 
     out: dict[str, dict[str, Any]] = {}
     by_req: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    finished = {r["call_id"] for r in recs if r["t_end"] is not None}
+    running: dict[tuple[str, str], list[int]] = defaultdict(list)  # open, not superseded
     for r in recs:
         wf = r["workflow"] or ""
         doc = out.setdefault(wf, {"unidentified": 0, "tokens": defaultdict(list)})
+        if r["t_end"] is None:
+            if r["request_id"] is not None and r["call_id"] not in finished:
+                running[(wf, r["request_id"])].append(r["t_start"])
+            continue
         if windowed(r):
             if r["request_id"] is None:
                 doc["unidentified"] += 1
             if r["prompt_tokens"] is not None:
                 doc["tokens"][r["model"]].append(r["prompt_tokens"])
-        if r["request_id"] is not None and r["t_end"] is not None:
+        if r["request_id"] is not None:
             by_req[(wf, r["request_id"])].append(r)
-    arrived = {k: v for k, v in by_req.items()
-               if (lo is None or min(c["t_start"] for c in v) >= lo)
-               and (hi is None or min(c["t_start"] for c in v) < hi)}
-    done = {k: v for k, v in arrived.items() if hi is None or max(c["t_end"] for c in v) <= hi}
+
+    def first(k: tuple[str, str]) -> int:
+        return int(min([c["t_start"] for c in by_req.get(k, [])] + running.get(k, [])))
+
+    arrived = {k for k in {*by_req, *running}
+               if (lo is None or first(k) >= lo) and (hi is None or first(k) < hi)}
+    done = {k: by_req[k] for k in arrived if k not in running
+            and (hi is None or max(c["t_end"] for c in by_req[k]) <= hi)}
     for wf, doc in out.items():
         reqs = [v for (w, _), v in done.items() if w == wf]
         doc["arrivals"] = sum(1 for (w, _) in arrived if w == wf)

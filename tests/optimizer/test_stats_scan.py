@@ -21,7 +21,7 @@ def _rows() -> list[Row]:
     return [
         call("w", "A", "gen", 0, 4), call("w", "A", "ver", 1, 2), call("w", "A", "gen", 3, 9),
         call("w", "B", "gen", 5, 6), call("w", "B", "gen", 5.5, 5.7),
-        call("w", "C", "ver", 20, None),  # no end: not a request of its own
+        call("w", "C", "ver", 20, None),  # no end: still running (arrived, not complete)
         call("v", None, "gen", 1, 2),
     ]
 
@@ -58,6 +58,7 @@ def test_the_shifted_layout_keeps_requests_apart(write_store: Write) -> None:
     assert got.req_dur.tolist() == [(4 + 1 + 6) * S, (1 + 0.2) * S]
     a_of_b = got.call_a[got.call_a >= got.req_off[1]]
     assert a_of_b.tolist() == [9 * S + 1, 9 * S + 1 + S // 2]
-    assert got.arrivals.tolist() == [0, 2] and got.unidentified.tolist() == [1, 0]
-    # the call without an end still counts in the token histogram (windowed calls)
-    assert int(got.prompt.count.sum()) == len(_rows())
+    assert got.arrivals.tolist() == [0, 3] and got.unidentified.tolist() == [1, 0]
+    assert len(got.req_t0) == 2  # C is not complete
+    # the token histograms count finished calls only (an open row reports no usage)
+    assert int(got.prompt.count.sum()) == len(_rows()) - 1

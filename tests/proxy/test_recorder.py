@@ -6,12 +6,14 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import openai
 
 from proxy.recorder import Recorder
-from shared.records import CallRecord
+from shared.records import CallRecord, now_us
 from shared.settings import StoreSettings
 from shared.store import StoreReader
-from tests.proxy.conftest import ProxyHandle
+from tests.proxy.conftest import ProxyFactory, ProxyHandle
+from tests.proxy.fake_engine import FakeEngine
 
 
 def _rec(i: int) -> CallRecord:
@@ -124,3 +126,54 @@ async def test_metrics_expose_calls_and_recorder(proxy: ProxyHandle) -> None:
     assert "scepsy_proxy_records_written_total 3.0" in text
     assert "scepsy_proxy_recorder_queue_depth 0.0" in text
     assert 'scepsy_proxy_upstream_in_flight{model="m",upstream="' in text
+
+
+async def test_calls_in_flight_are_announced_once(tmp_path: Path) -> None:
+    """A call still running a flush interval after it began is written once as an open row
+    (no end), then its finished row; a call that ends before that costs no extra row."""
+    interval = 0.2
+    rec = Recorder(StoreSettings(path=str(tmp_path), flush_interval_s=interval), "p")
+    await rec.start()
+    try:
+        long, short = _rec(1), _rec(2)
+        long.t_start = short.t_start = now_us()
+        rec.begin(long)
+        rec.begin(short)
+        short.t_end = now_us()
+        rec.submit(short)
+        await asyncio.sleep(3.5 * interval)  # several flushes while the long call runs
+        assert rec.announced == 1
+        long.t_end, long.status = now_us(), 200
+        rec.submit(long)
+    finally:
+        await rec.close()
+    got = StoreReader(tmp_path).calls().order("call_id, t_end NULLS FIRST").select(
+        "call_id, t_start, t_end, status").fetchall()
+    assert got == [("c1", long.t_start, None, None), ("c1", long.t_start, long.t_end, 200),
+                   ("c2", short.t_start, short.t_end, None)]
+
+
+async def test_a_long_call_is_in_the_store_while_it_runs(
+    proxy_factory: ProxyFactory, engine: FakeEngine
+) -> None:
+    """Through the proxy and the real client: the optimizer can see a call the engine has not
+    answered yet (an open row), and its finished row once it has."""
+    p = await proxy_factory([("m", engine.url)], store={"flush_interval_s": 0.2})
+    headers = {"X-Scepsy-Workflow": "wf", "X-Scepsy-Request-Id": "r1", "X-Fake-Delay-S": "1.5"}
+    async with openai.AsyncOpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0) as client:
+        call = asyncio.create_task(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], extra_headers=headers))
+        rows: list[tuple[object, ...]] = []
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if (tmp := p.store / "calls").exists() and any(tmp.rglob("*.parquet")):
+                rows = StoreReader(p.store).calls().select(
+                    "workflow, request_id, model, t_end").fetchall()
+                if rows:
+                    break
+        assert rows == [("wf", "r1", "m", None)] and not call.done()
+        await call
+    got = await p.records()
+    assert sorted((r["request_id"], r["t_end"] is None, r["status"] or 0) for r in got) == [
+        ("r1", False, 200), ("r1", True, 0)]
+    assert got[0]["t_start"] == got[1]["t_start"] and got[0]["call_id"] == got[1]["call_id"]

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.store import StoreReader
+from optimizer.stats import summarise_store
+from shared.store import SegmentWriter, StoreReader
 from sim.cluster import Allocation, Router, build_replicas, place
 from sim.des import SimResult, Simulation, WorkflowResult, WorkloadSpec, simulate
 from sim.engine import EngineRequest
 from sim.perf import perf_model
-from sim.trace import call_rows, write_trace
+from sim.trace import call_rows, open_rows, write_trace
 from sim.workflows import BeamParams, FanoutParams, Prompt, RagParams
 
 RAG = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1, 0.3, 1),
@@ -311,3 +312,28 @@ def test_run_time_hook_adds_withdraws_replicas_and_changes_rates() -> None:
     assert before > 1.4 and after < 1.0
     res = sim.result(0.0, end)
     assert res.workflows["rag"].failed == 0 and len(res.replicas) == 4
+
+
+def test_open_calls_make_queued_requests_visible(tmp_path: Path) -> None:
+    """Stopped mid-overload, the calls in flight come back as open rows that share call ids
+    with the finished rows a longer run writes; with them the store counts every request
+    that arrived, and only the finished ones as complete."""
+    sim = Simulation(BEAM, [WorkloadSpec("beam", 6.0)], seed=5, record_calls=True)
+    sim.run(20.0, None, 0.0)
+    running = sim.open_calls()
+    assert running and all(c.t_end == -1.0 for c in running)
+    assert len({c.call_id for c in running}) == len(running)
+    shell = SimResult("simulated", sim.seed, sim.now, 0.0, 0, (0.0, sim.now), {}, (),
+                      tuple(sim.trace))
+    finished = call_rows(shell, bodies=False)
+    opened = open_rows(running, seed=sim.seed)
+    assert not {r[0] for r in opened} & {r[0] for r in finished}  # all still running
+    writer = SegmentWriter(tmp_path, "simulated")
+    writer.write(finished)
+    seen_without = summarise_store(tmp_path)["beam"]
+    writer.write(opened)
+    writer.close()
+    beam = summarise_store(tmp_path)["beam"]
+    done = sum(1 for r in sim.runs if r.end >= 0)
+    assert beam.arrivals == len(sim.runs) > seen_without.arrivals
+    assert beam.requests == done < len(sim.runs)
