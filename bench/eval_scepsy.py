@@ -128,8 +128,11 @@ def _jobs(kind: str, stats: WorkflowStats, per_busy: Mapping[str, float],
                        start_rate=0.5 * share * per_busy[m],
                        refine=(0.5, 0.8, 0.9) if quick else REFINE,
                        # as the accuracy bench profiles: enough requests per point, and
-                       # keeping up judged per request for chained calls (beam search)
-                       min_requests=PROFILE_REQUESTS, parallel=stats.models[m].p_agg)
+                       # keeping up judged per request for chained calls (beam search);
+                       # --quick halves the floor as it cuts the calls (beam's points are
+                       # bound by requests, not calls: the longest jobs of the run)
+                       min_requests=PROFILE_REQUESTS // 2 if quick else PROFILE_REQUESTS,
+                       parallel=stats.models[m].p_agg)
             for m in workflow_models(kind) for tp, share in PROFILE_KEYS[m]]
 
 
