@@ -7,6 +7,7 @@ import pytest
 
 from bench.alp_accuracy import (
     CAP_MIN_REQUESTS,
+    CAP_MIN_REQUESTS_QUICK,
     QUICK_ALLOCATIONS,
     _cases,
     mean_and_se,
@@ -24,15 +25,15 @@ def test_mean_and_se_batch_means() -> None:
     assert mean_and_se([1.0, 2.0])[1] == float("inf")
 
 
-def test_quick_keeps_capacity_windows_long_enough() -> None:
+def test_quick_is_smaller_and_the_full_run_keeps_long_windows() -> None:
     full = _cases()
     quick = quick_cases(full)
     assert [c.workflow for c in quick] == [c.workflow for c in full]
     for f, q in zip(full, quick, strict=True):
         assert len(q.allocations) == min(QUICK_ALLOCATIONS, len(f.allocations))
         assert q.eval_requests < f.eval_requests
-        # the simulated truth stays as precise as the test's tolerance needs
-        assert q.capacity_requests >= CAP_MIN_REQUESTS
+        assert q.capacity_requests == CAP_MIN_REQUESTS_QUICK < f.capacity_requests
+        # the truth the full run's errors are taken against stays as precise as it needs
         assert f.capacity_requests >= CAP_MIN_REQUESTS
 
 
