@@ -176,12 +176,14 @@ class Daemon:
         self._known |= {w: p for w, p in pipes.items()
                         if stats[w].requests >= self.cfg.min_requests}
         rates = {w: s.arrival_rate for w, s in stats.items()}
-        # A planned workflow missing from this window (its requests all still running) keeps
-        # its pipeline and baseline rate until the detector confirms it is gone.
+        # A planned workflow without a completed request in this window (its requests all
+        # still running) keeps its pipeline; its rate is the arrivals the store saw (open rows
+        # count), or the baseline's when it saw none, until the detector confirms it is gone.
         base = self.state.baseline
         for w, known in self._known.items():
             if w not in pipes and base is not None and w in base.workflows:
-                pipes[w], rates[w] = known, base.workflows[w].rate
+                arrived = stats[w].arrival_rate if w in stats and stats[w].arrivals else 0.0
+                pipes[w], rates[w] = known, arrived or base.workflows[w].rate
         book = await self._book()
         running = running_allocation(observed, pipes, rates)
         predicted_now = predict_running(pipes, book, running, rates)

@@ -195,17 +195,22 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     lo = window.t_from_us
     for w, wf in enumerate(got.workflows):
         n, n_s = int(n_req[w]), int(n_smp[w])
+        n_arr = int(got.arrivals[w])
         if n == 0:
-            if got.unidentified[w]:  # every call lacked a request id: still show its count
+            # No request completed: every call lacked a request id (still show its count), or
+            # every request that arrived is still running (an overloaded workflow whose
+            # requests outlast the window: its arrivals are the one honest figure).
+            if got.unidentified[w] or n_arr:
+                span_us = float(hi - lo) if lo is not None and hi is not None else 0.0
                 out[wf] = WorkflowStats(
-                    workflow=wf, requests=0, arrivals=0, arrival_rate=0.0, window_s=0.0,
-                    unidentified_calls=int(got.unidentified[w]), latency_mean=math.nan,
-                    latency_cv=math.nan, critical_path_mean=math.nan, stage_sum_mean=math.nan,
-                    overlap_factor=1.0, tool_time_mean=math.nan, models={}, bimodal=None,
-                    union_requests=0,
+                    workflow=wf, requests=0, arrivals=n_arr,
+                    arrival_rate=n_arr / (span_us / US) if span_us > 0 else 0.0,
+                    window_s=span_us / US, unidentified_calls=int(got.unidentified[w]),
+                    latency_mean=math.nan, latency_cv=math.nan, critical_path_mean=math.nan,
+                    stage_sum_mean=math.nan, overlap_factor=1.0, tool_time_mean=math.nan,
+                    models={}, bimodal=None, union_requests=0,
                 )
             continue
-        n_arr = int(got.arrivals[w])
         if lo is None or hi is None:  # the rate is (arrivals - 1) over first-to-last arrival
             t0 = got.req_t0[req_wf == w]
             rate_den, rate_num = float(t0.max() - t0.min()), n_arr - 1

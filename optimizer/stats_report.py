@@ -74,6 +74,9 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
     for name, wf in stats.items():
         if wf.unidentified_calls:
             notes.append(f"{name}: {wf.unidentified_calls} calls without request id (excluded)")
+        if wf.requests == 0 and wf.arrivals:
+            notes.append(f"{name}: {wf.arrivals} requests arrived and none completed in the "
+                         "window (all still running: overloaded, or longer than the window)")
         if wf.union_requests < wf.requests:
             notes.append(f"{name}: overlap, tool time and p from a sample of "
                          f"{wf.union_requests} of {wf.requests} requests (--exact for all)")

@@ -246,3 +246,15 @@ def test_no_trusted_traffic_is_no_data_and_a_workflow_gone_is_a_shift_down() -> 
     for k in range(3):
         d = loop.tick(180 + 60 * k, 0.0, 0)
     assert d.changes and d.changes[0].kind == "rate_shift" and d.changes[0].relative == -1.0
+
+
+def test_a_workflow_whose_requests_all_still_run_is_not_gone() -> None:
+    """Overloaded past the window, no request completes in it; the store still shows the
+    arrivals (open rows), so the rate holds and no shift down is confirmed."""
+    state = DetectorState(baseline=Snapshot(0.0, 120.0, MappingProxyType({"rag": _obs(10.0, 900)})))
+    for k in range(5):
+        running = WorkflowObs("rag", 10.2, 0, math.nan, MappingProxyType({}))
+        det = detect(state, Snapshot(60.0 * (k + 1), 120.0, MappingProxyType({"rag": running})),
+                     CFG)
+        assert not det.changes and not det.pending
+        _, state = judge(state, det, None, CFG)

@@ -205,3 +205,16 @@ def test_union_figures_come_from_a_sample_above_the_cap(write_store: Write) -> N
     assert sampled.critical_path_mean == pytest.approx(exact.critical_path_mean, rel=0.08)
     assert sampled.overlap_factor == pytest.approx(exact.overlap_factor, rel=0.05)
     assert sampled.tool_time_mean == pytest.approx(exact.tool_time_mean, rel=0.1)
+
+
+def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(
+        write_store: Write) -> None:
+    """No request completed in the window (all outlast it): the workflow is still there, with
+    the arrivals its open rows show and no per-request figure."""
+    rows = [_opened(call("w", f"r{i}", "gen", 10 + i, None)) for i in range(6)]
+    rows += [call("w", "r0", "ver", 9, 10)]  # r0's first call ended; its second still runs
+    window = Window(t_from_us=0, t_to_us=30 * S, settle_us=5 * S)
+    wf = summarise_store(write_store(rows), window)["w"]
+    assert wf.requests == 0 and wf.arrivals == 6 and not wf.models
+    assert wf.arrival_rate == pytest.approx(6 / 25) and wf.window_s == pytest.approx(25)
+    assert math.isnan(wf.latency_mean)
