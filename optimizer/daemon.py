@@ -211,7 +211,8 @@ class Daemon:
         t0 = time.perf_counter()
         if not pipes:
             decision, self.state = keep_running(
-                self.state, det, "no workflow has enough traffic to plan for: what runs stays")
+                self.state, det, "no workflow has enough traffic to plan for: what runs stays",
+                self.cfg)
             return replace(report, decision=decision)
         try:
             unknown = sorted({st.model for p in pipes.values() for st in p.stages}

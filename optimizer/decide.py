@@ -24,7 +24,8 @@ Invariants:
 - every call returns a :class:`Decision` (taken or not) with human-readable reasons;
 - no oscillation: a rollout, a decision to keep the running allocation, or a proposal equal to
   it re-bases the baseline on the window it was judged for and clears every streak, so one
-  shift is acted on once; a hold for cooldown keeps the streaks, so it is acted on after it;
+  shift is acted on once (a workflow with too few completed requests in that window keeps
+  what the baseline knew of it, at the window's rate); a hold for cooldown keeps the streaks, so it is acted on after it;
 - nothing here reads a clock or a file: time is the snapshot's ``t`` (seconds).
 """
 
@@ -255,8 +256,19 @@ def _weighted(outlook: tuple[Outlook, ...], which: Literal["current", "proposed"
                for o in outlook) / total
 
 
-def _rebased(state: DetectorState, det: Detection) -> DetectorState:
-    return replace(state, baseline=det.snapshot, streaks=MappingProxyType({}))
+def _rebased(state: DetectorState, det: Detection, min_requests: int) -> DetectorState:
+    """The baseline becomes the judged window, except that a workflow trusted before and not
+    in it (too few of its requests completed: under overload they all outlast the window)
+    keeps what was known of it, with the window's rate: its models, tokens and completed
+    count stay comparable, so they do not come back as "new" once requests complete again."""
+    snap, base = det.snapshot, state.baseline
+    kept = {} if base is None else {
+        w: replace(old, rate=o.rate) for w, o in snap.workflows.items()
+        if o.requests < min_requests and (old := base.workflows.get(w)) is not None
+        and old.requests >= min_requests}
+    if kept:
+        snap = replace(snap, workflows=MappingProxyType({**snap.workflows, **kept}))
+    return replace(state, baseline=snap, streaks=MappingProxyType({}))
 
 
 def judge(state: DetectorState, det: Detection, proposal: Proposal | None,
@@ -283,7 +295,7 @@ def judge(state: DetectorState, det: Detection, proposal: Proposal | None,
     if proposal.same:
         return Decision(det.t, "unchanged",
                         (*reasons, "the best allocation is the running one"),
-                        det.changes), _rebased(state, det)
+                        det.changes), _rebased(state, det, cfg.min_requests)
     current = _weighted(proposal.outlook, "current")
     proposed = _weighted(proposal.outlook, "proposed")
     if not math.isfinite(current):
@@ -291,7 +303,8 @@ def judge(state: DetectorState, det: Detection, proposal: Proposal | None,
         why = f"the running allocation cannot serve {', '.join(short)} at the observed rate"
         if not proposal.feasible and not math.isfinite(proposed):
             why += " (neither can the proposal: it serves as much as the cluster allows)"
-        return Decision(det.t, "rollout", (*reasons, why), det.changes), _rebased(state, det)
+        return (Decision(det.t, "rollout", (*reasons, why), det.changes),
+                _rebased(state, det, cfg.min_requests))
     gain = (current - proposed) / current if current > 0 else 0.0
     benefit = cfg.horizon_s * sum(o.rate * (o.current - o.proposed) for o in proposal.outlook)
     cost = cfg.cold_start_s * proposal.moved_fraction * sum(
@@ -306,14 +319,14 @@ def judge(state: DetectorState, det: Detection, proposal: Proposal | None,
         figures += f"; below min_gain {cfg.min_gain:.0%}" if gain < cfg.min_gain else \
             "; the move costs more than it saves"
     return (Decision(det.t, kind, (*reasons, figures), det.changes, gain, benefit, cost),
-            _rebased(state, det))
+            _rebased(state, det, cfg.min_requests))
 
 
-def keep_running(state: DetectorState, det: Detection,
-                 why: str) -> tuple[Decision, DetectorState]:
+def keep_running(state: DetectorState, det: Detection, why: str,
+                 cfg: OptimizerSettings) -> tuple[Decision, DetectorState]:
     """Nothing to plan for (every workflow went quiet): what runs stays, judged for now."""
     return (Decision(det.t, "unchanged", (*(c.reason for c in det.changes), why), det.changes),
-            _rebased(state, det))
+            _rebased(state, det, cfg.min_requests))
 
 
 def failed(state: DetectorState, det: Detection, reason: str) -> tuple[Decision, DetectorState]:

@@ -258,3 +258,23 @@ def test_a_workflow_whose_requests_all_still_run_is_not_gone() -> None:
                      CFG)
         assert not det.changes and not det.pending
         _, state = judge(state, det, None, CFG)
+
+
+def test_a_baseline_judged_on_an_all_running_window_keeps_its_models() -> None:
+    """Judged on a window where the workflow had no completed request (a new workflow made it
+    act), the baseline takes its rate but keeps its models: when requests complete again
+    nothing reads as new."""
+    state = DetectorState(baseline=Snapshot(0.0, 120.0, MappingProxyType({"rag": _obs(10.0, 900)})))
+    running = WorkflowObs("rag", 30.0, 0, math.nan, MappingProxyType({}))
+    beam = replace(_obs(1.0, 60), workflow="beam")
+    det = detect(state, Snapshot(60.0, 120.0, MappingProxyType({"rag": running, "beam": beam})),
+                 CFG)
+    assert [c.kind for c in det.changes] == ["new_workflow"]
+    outlook = (Outlook("rag", 30.0, 5.0, 5.0), Outlook("beam", 1.0, 5.0, 5.0))
+    decision, state = judge(state, det, Proposal(outlook, True, 0.0, True), CFG)
+    assert decision.kind == "unchanged" and state.baseline is not None
+    rag = state.baseline.workflows["rag"]
+    assert rag.rate == 30.0 and rag.requests == 900 and set(rag.models) == {"gen"}
+    back = detect(state, Snapshot(120.0, 120.0, MappingProxyType(
+        {"rag": _obs(30.0, 900), "beam": beam})), CFG)
+    assert not back.changes and not back.pending
