@@ -38,7 +38,12 @@ import numpy as np
 from bench.eval_dynsim import DynamicSimulation, Hpa, run_dynamic
 from bench.eval_runs import COLD_START_S
 from bench.eval_scepsy import Knowledge, capacity, plan, problem, specs_of
-from bench.eval_setup import COMBINED_BEAM_FRACTION, workflow_models, workloads
+from bench.eval_setup import (
+    COMBINED_BEAM_FRACTION,
+    DYNAMIC_DRAIN_S,
+    workflow_models,
+    workloads,
+)
 from optimizer.alp import ModelAlloc, predict
 from optimizer.decide import (
     DetectorState,
@@ -220,7 +225,7 @@ def _run(args: tuple[str, Knowledge, int, float, list[tuple[float, float]], floa
     for t, rate in steps[1:]:
         sim.at(t, functools.partial(sim.set_rate, 1, rate))
     try:
-        res = run_dynamic(sim, duration, 0.0, 120.0)
+        res = run_dynamic(sim, duration, 0.0, DYNAMIC_DRAIN_S)
     finally:
         if isinstance(controller, Daemon):
             shutil.rmtree(controller.store, ignore_errors=True)

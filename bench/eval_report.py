@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.eval_setup import HEADROOM, PAPER_ABLATION, PAPER_HPA, SYSTEMS
+from bench.eval_setup import DYNAMIC_DRAIN_S, HEADROOM, PAPER_ABLATION, PAPER_HPA, SYSTEMS
 
 Point = dict[str, Any]
 LATENCY_SLACK = 1.05  # a baseline faster than Scepsy by less than this is a tie (noise)
@@ -295,11 +295,17 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
              f"{', '.join(_fmt(r) for _, r in d['steps'])} req/s, each {d['step_s']:.0f} s. "
              f"Scepsy's controller: {d['controller']}.", "",
              "| system | reconfigurations | per step | replicas started | mean latency beam / "
-             "RAG (s) |", "|---|---|---|---|---|"]
+             "RAG (s) | p90 beam / RAG (s) | unfinished beam / RAG |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in d["systems"].items():
+        p90, left = s.get("latency_p90", {}), s.get("failed", {})
         lines.append(f"| {name} | {s['reconfigurations']} | {s['per_step']} | "
                      f"{s['replicas_started']} | {_fmt(s['latency_mean']['beam'])} / "
-                     f"{_fmt(s['latency_mean']['rag'])} |")
+                     f"{_fmt(s['latency_mean']['rag'])} | {_fmt(p90.get('beam', math.nan))} / "
+                     f"{_fmt(p90.get('rag', math.nan))} | {left.get('beam', '-')} / "
+                     f"{left.get('rag', '-')} |")
+    lines += ["", "Unfinished: requests still running when the run ended, "
+              f"{DYNAMIC_DRAIN_S:.0f} s after the last arrival (a backlog, not an error)."]
     sc = d["systems"].get("scepsy", {})
     if sc.get("rollouts_unplaced"):
         lines += ["", f"Scepsy decided {len(sc['rollouts_unplaced'])} rollout(s) (at "

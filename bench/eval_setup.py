@@ -48,6 +48,7 @@ QUICK_RATE_FRACTIONS = (0.2, 0.5, 0.8, 1.0, 1.2)
 # The dynamic scenario runs on 8 GPUs (paper Fig. 9), also in --quick: on 4 GPUs the
 # autoscaler cannot start one whole-GPU pod for each of the five models.
 DYNAMIC_GPUS = 8
+DYNAMIC_DRAIN_S = 120.0  # the dynamic scenario's runs end this long after the last arrival
 SUSTAINED = 0.95  # a point is sustained when >= 95% of its requests complete at >= 95% of rate
 
 # The paper's reported figures (§7.2 Fig. 6 vs the Kubernetes HPA; §7.4 Fig. 10 ablations are
