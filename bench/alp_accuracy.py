@@ -101,7 +101,7 @@ CAP_BACKLOG = 1.25
 CAP_MIN_REQUESTS = 1000
 # --quick is a smoke run that has to finish in 3 minutes on two cores: shorter capacity windows
 # (the misjudgement above, a few percent near capacity, is the price), a coarser bisection,
-# two allocations and two rates per workflow, fewer profile points. Its errors are
+# two allocations and two rates per workflow, fewer profile points (one refinement, 10%). Its errors are
 # indicative; the targets are judged on the full run. Profile points keep the full run's
 # request floor: with 100 requests a point's window is mostly the engine filling its batch,
 # and saturation read 40% low (llama-3.2-1b 43 calls/s against 76).
@@ -314,8 +314,8 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                    for m, (_, tp, share) in alloc.items()})
     target = case.profile_calls // 2 if quick else case.profile_calls
     return [ProfileJob(case, model, tp, share, n_per_request=stats.models[model].n,
-                       target_calls=target, refine=(0.4, 0.8) if quick else REFINE,
-                       precision=0.08 if quick else 0.04,
+                       target_calls=target, refine=(0.6,) if quick else REFINE,
+                       precision=0.1 if quick else 0.04,
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model],
                        min_requests=PROFILE_REQUESTS,
                        latency_se=0.0 if quick else LATENCY_SE,
