@@ -101,10 +101,10 @@ CAP_BACKLOG = 1.25
 CAP_MIN_REQUESTS = 1000
 # --quick is a smoke run that has to finish in 3 minutes on two cores: shorter capacity windows
 # (the misjudgement above, a few percent near capacity, is the price), a coarser bisection,
-# two allocations and two rates per workflow, fewer profile points (one refinement, 10%). Its errors are
-# indicative; the targets are judged on the full run. Profile points keep the full run's
-# request floor: with 100 requests a point's window is mostly the engine filling its batch,
-# and saturation read 40% low (llama-3.2-1b 43 calls/s against 76).
+# two allocations and two rates per workflow, fewer profile points (one refinement, 10%).
+# Its errors are indicative; the targets are judged on the full run. Profile points keep the
+# full run's request floor: with 100 requests a point's window is mostly the engine filling
+# its batch, and saturation read 40% low (llama-3.2-1b 43 calls/s against 76).
 CAP_MIN_REQUESTS_QUICK = 400
 # Latency runs grow until the standard error of the mean is below this (relative), at most
 # LATENCY_GROWTH_CAP times the case's eval_requests.

@@ -6,7 +6,8 @@ steps up and down; both systems run in ``bench.eval_dynsim`` on the same arrival
 - scepsy: the optimizer daemon's loop with its default settings (``OptimizerSettings``): every
   ``interval_s`` the calls of the last ``window_s`` are written to a trace store as the proxy
   writes them (``sim.trace.call_rows``; calls still in flight as open rows,
-  ``sim.trace.open_rows``, so queued requests count) and summarised (``optimizer.stats.summarise_store``), the detector
+  ``sim.trace.open_rows``, so queued requests count) and summarised
+  (``optimizer.stats.summarise_store``), the detector
   (``optimizer.decide.detect``) looks for confirmed changes, and on one the search runs at the
   observed rates (``optimizer.search.search_and_place``) and ``optimizer.decide.judge`` decides;
   a rollout starts the changed models' new replicas, which serve after ``cold_start_s``, then
@@ -65,6 +66,7 @@ from sim.trace import DEFAULT_T0_US, call_rows, open_rows
 
 STEPS = (0.25, 0.7, 0.25, 0.55)  # RAG rate per step, x Scepsy's RAG capacity next to beam
 BUCKET_S = 30.0
+FLUSH_S = StoreSettings().flush_interval_s  # the proxy announces calls running this long
 Running = dict[str, dict[str, ModelAlloc]]
 
 
@@ -108,9 +110,8 @@ class Daemon:
             shell = SimResult("simulated", sim.seed, sim.now, 0.0, 0, (0.0, sim.now), {}, (),
                               tuple(new))
             rows = call_rows(shell, bodies=False)
-        flush_s = StoreSettings().flush_interval_s
         running = [c for c in sim.open_calls()
-                   if c.t_start <= sim.now - flush_s and c.call_id not in self._announced]
+                   if c.t_start <= sim.now - FLUSH_S and c.call_id not in self._announced]
         self._announced.update(c.call_id for c in running)
         rows += open_rows(running, seed=sim.seed)
         if rows:

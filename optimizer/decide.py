@@ -25,7 +25,8 @@ Invariants:
 - no oscillation: a rollout, a decision to keep the running allocation, or a proposal equal to
   it re-bases the baseline on the window it was judged for and clears every streak, so one
   shift is acted on once (a workflow with too few completed requests in that window keeps
-  what the baseline knew of it, at the window's rate); a hold for cooldown keeps the streaks, so it is acted on after it;
+  what the baseline knew of it, at the window's rate); a hold for cooldown keeps the
+  streaks, so it is acted on after it;
 - nothing here reads a clock or a file: time is the snapshot's ``t`` (seconds).
 """
 

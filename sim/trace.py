@@ -73,6 +73,11 @@ def _body(c: SimCall, texts: _Texts) -> dict[str, Any]:
             "messages": [{"role": "user", "content": texts.prompt(call.inputs[0])}]}
 
 
+def _call_id(seed: int, c: SimCall) -> str:
+    """A call's id in the store: the same for its open and its finished row."""
+    return f"sim-{seed}-{c.call_id}"
+
+
 def call_rows(result: SimResult, *, t0_us: int = DEFAULT_T0_US, proxy_id: str = "simulated",
               bodies: bool = True) -> list[tuple[Any, ...]]:
     """One row per simulated call, in ``shared.records.COLUMN_NAMES`` order."""
@@ -83,7 +88,7 @@ def call_rows(result: SimResult, *, t0_us: int = DEFAULT_T0_US, proxy_id: str = 
         completion = c.call.output_tokens * len(c.call.inputs)
         body = orjson.dumps(_body(c, texts)).decode() if bodies else None
         values = {
-            "call_id": f"sim-{result.seed}-{c.call_id}",
+            "call_id": _call_id(result.seed, c),
             "proxy_id": proxy_id,
             "workflow": c.workflow,
             "request_id": c.request_id,
@@ -113,7 +118,7 @@ def open_rows(calls: Sequence[SimCall], *, seed: int, t0_us: int = DEFAULT_T0_US
     """Open rows (``shared.records``) for calls still in flight, e.g.
     ``Simulation.open_calls()``: what the proxy announces for calls it has not finished. The
     call ids match the finished rows ``call_rows`` writes for the same run (``seed``)."""
-    return [CallRecord(f"sim-{seed}-{c.call_id}", proxy_id, c.workflow, c.request_id,
+    return [CallRecord(_call_id(seed, c), proxy_id, c.workflow, c.request_id,
                        c.call.model, c.call.endpoint, upstream=c.replica,
                        t_start=t0_us + round(c.t_start * 1e6)).opened() for c in calls]
 
