@@ -16,7 +16,7 @@ What is timed (each ``--repeat`` times, best and all runs reported, with the loa
 
 The synthetic trace: two workflows (a two-model loop with fan-out 4, and a three-model
 sequential chain), 20 calls per request, a request every 50 ms (about 40 running at once),
-1% of calls retried once (an extra attempt-0 row), 0.1% of calls without a request id. Rows
+1% of calls retried once (an extra attempt-0 row that failed with a 503), 0.1% of calls without a request id. Rows
 are written in the order the proxy writes them, by end time, so calls of concurrent requests
 interleave as in a real store. Target: 10 M records in under 2 s.
 """
@@ -68,7 +68,8 @@ def generate(store: Path, calls: int, segments: int) -> int:
                      ELSE (CASE j % 3 WHEN 0 THEN 'emb' WHEN 1 THEN 'rerank' ELSE 'llm' END)
                 END AS model,
                 '/v1/chat/completions' AS endpoint, 'http://e' AS upstream,
-                a.attempt, 200 AS status, NULL AS error, false AS stream,
+                a.attempt, CASE WHEN a.attempt = 0 AND h % 100 = 7 THEN 503 ELSE 200 END AS status,
+                NULL AS error, false AS stream,
                 (CASE WHEN wf = 0 THEN t0 + (j // 4) * 400000 + (h % 50000)
                       ELSE t0 + j * 100000 END) AS t_start,
                 NULL AS t_first_byte,

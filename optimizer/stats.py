@@ -13,15 +13,18 @@ and the gaps inside a request's span that no call covers give the non-LLM ``tool
 workflow whose requests split into two populations by share is flagged (``bimodal``).
 
 Data flow: :mod:`optimizer.stats_scan` groups the store's calls in DuckDB (retry
-de-duplication, per request and per (request, model) sums) and hands back compact arrays, with
-the calls of a hash sample of requests (every request unless there are more than about
+de-duplication, per request sums) and hands back compact arrays, with the calls of a hash
+sample of each workflow's requests (every request unless there are more than about
 ``UNION_CALLS_CAP`` calls) sorted for :mod:`optimizer.stats_union`'s interval unions; this
 module turns those into per-workflow and per-model figures (vectorised over requests and
-(request, model) segments; Python loops only over workflows and models). Counts, durations,
-spans, shares and their CVs are exact over every completed request; the union-based figures
-(critical path, stage sum, overlap, tool time, and per model ``p``, ``p_agg``, ``busy_mean``)
-are means over the sample: tens of thousands of requests at the cap, where the sampling error
-is far below what traffic itself varies by, and sorting every call would cost seconds.
+(request, model) segments; Python loops only over workflows and models). Exact over every
+completed request: requests, arrivals, request latency (mean, CV), and per model the calls,
+``n`` and mean call latency. Means over the sample: what needs a request's calls per model
+(shares and their CV, ``requests_calling`` scaled up, the bimodality split) and the unions
+(critical path, stage sum, overlap, tool time, and per model ``p``, ``p_agg``,
+``busy_mean``): thousands of requests per workflow at the cap, where the sampling error is
+far below what traffic itself varies by, and grouping or sorting every call would cost
+seconds.
 
 Invariants:
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
@@ -92,7 +95,7 @@ class ModelStats:
 
     model: str
     calls: int  # calls of completed requests
-    requests_calling: int  # completed requests with at least one call to this model
+    requests_calling: int  # completed requests calling it (scaled up from the sample)
     n: float  # mean calls per request, over all completed requests (paper n_m)
     p: float  # per request Σ durations / union length, averaged (paper p_m)
     p_agg: float  # Σ durations / Σ union lengths over requests: what makes n·L/p exact on average
@@ -130,9 +133,10 @@ class WorkflowStats:
     tool_time_mean: float  # mean time inside the span not covered by any call (s)
     models: Mapping[str, ModelStats]
     bimodal: Bimodality | None
-    # Completed requests the union-based figures (critical path, stage sum, overlap, tool
-    # time; per model p, p_agg, busy_mean) were computed over: all of them unless the window
-    # held more than the union cap's calls, then a uniform hash sample.
+    # Completed requests the per-request figures (shares, bimodality; critical path, stage
+    # sum, overlap, tool time; per model p, p_agg, busy_mean) were computed over: all of them
+    # unless the window held more than the workflow's share of the cap's calls, then a
+    # uniform hash sample.
     union_requests: int = 0
 
 
@@ -149,48 +153,48 @@ def summarise(
     union_cap: int | None = UNION_CALLS_CAP,
 ) -> dict[str, WorkflowStats]:
     """Statistics per workflow over ``window`` from ``calls`` (a relation on ``con``). The
-    union-based figures come from a hash sample of requests holding about ``union_cap`` calls
+    per-request figures come from a hash sample of requests holding about ``union_cap`` calls
     at most (``None``: all of them; ``WorkflowStats.union_requests`` says how many)."""
     hi = None if window.t_to_us is None else window.t_to_us - window.settle_us
     got = scan(con, calls, Bounds(lo=window.t_from_us, t_to=window.t_to_us, hi=hi), union_cap)
     return _assemble(got, window, hi)
 
 
-def _sample_unions(got: Scan, req_wf: npt.NDArray[np.int64]) -> tuple[I64, I64, Segments]:
-    """The sampled requests (indices), the union of each one's calls, and their per-pair
-    segments with unions (``request`` as indices into all requests)."""
-    sampled = np.flatnonzero(got.req_sampled)
-    offsets = got.req_off[sampled]
+def _sample_unions(got: Scan) -> tuple[I64, Segments]:
+    """The union of each sampled request's calls, and their per-pair segments with unions
+    (``request`` indexes the sample)."""
+    offsets = got.smp_off
     a, b = got.call_a, got.call_b
     starts = request_starts(a, offsets)
     scratch = np.empty_like(b)
     u_all = request_unions(a, b, starts, scratch)
-    wf_s = req_wf[sampled]
-    of_wf = [np.flatnonzero(wf_s == w) for w in range(len(got.workflows))]
+    wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
+    smp_wf = wf_of_pair[got.smp_pair] if got.smp_pair.size else np.zeros(0, np.int64)
+    of_wf = [np.flatnonzero(smp_wf == w) for w in range(len(got.workflows))]
     seg = segments(got.call_pair, a, b, offsets, [of_wf[w] for w, _ in got.pairs], scratch)
-    seg = Segments(seg.pair, sampled[seg.request].astype(np.int32), seg.calls, seg.dur, seg.union)
-    return sampled, u_all, seg
+    return u_all, seg
 
 
 def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowStats]:
     n_wf = len(got.workflows)
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
     req_wf = wf_of_pair[got.req_pair] if got.req_pair.size else np.zeros(0, np.int64)
-    sampled, u_all, useg = _sample_unions(got, req_wf)
+    smp_wf = wf_of_pair[got.smp_pair] if got.smp_pair.size else np.zeros(0, np.int64)
+    u_all, useg = _sample_unions(got)
     n_req = np.bincount(req_wf, minlength=n_wf)
-    n_smp = np.bincount(req_wf[sampled], minlength=n_wf)
+    n_smp = np.bincount(smp_wf, minlength=n_wf)
     span = (got.req_t1 - got.req_t0).astype(np.float64)
-    u_sum = np.bincount(useg.request, weights=useg.union, minlength=span.size)[sampled]
+    u_sum = np.bincount(useg.request, weights=useg.union, minlength=got.smp_pair.size)
 
-    def per_wf(x: npt.ArrayLike, which: npt.NDArray[np.int64] | None = None) -> F64:
-        keys = req_wf if which is None else req_wf[which]
+    def per_wf(x: npt.ArrayLike, keys: I64) -> F64:
         return np.bincount(keys, weights=x, minlength=n_wf).astype(np.float64)
 
-    sum_span, sum_span_sq = per_wf(span), per_wf(span * span)
-    sum_u_all, sum_u_sum = per_wf(u_all.astype(np.float64), sampled), per_wf(u_sum, sampled)
-    sum_tool = per_wf(span[sampled] - u_all, sampled)
-    models = _models(got, useg, n_req, n_smp)
-    bimodal = _bimodality(got, n_req)
+    sum_span, sum_span_sq = per_wf(span, req_wf), per_wf(span * span, req_wf)
+    sum_u_all, sum_u_sum = per_wf(u_all.astype(np.float64), smp_wf), per_wf(u_sum, smp_wf)
+    sum_tool = per_wf(got.smp_span - u_all, smp_wf)
+    shares = _shares(got, useg)
+    models = _models(got, useg, shares, n_req, n_smp)
+    bimodal = _bimodality(got, useg, shares, n_smp)
     out: dict[str, WorkflowStats] = {}
     lo = window.t_from_us
     for w, wf in enumerate(got.workflows):
@@ -238,53 +242,55 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     return dict(sorted(out.items()))
 
 
-def _shares(got: Scan) -> F64:
-    """Each exact segment's share of its request's summed LLM time (``nan`` where that is 0)."""
-    total = got.req_dur[got.seg_request].astype(np.float64)
+def _shares(got: Scan, useg: Segments) -> F64:
+    """Each sampled segment's share of its request's summed LLM time (``nan`` where that
+    is 0)."""
+    total = got.smp_dur[useg.request].astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(total != 0, got.seg_dur / total, np.nan)
+        return np.where(total != 0, useg.dur / total, np.nan)
 
 
 def _models(
-    got: Scan, useg: Segments, n_req: npt.NDArray[np.int64], n_smp: npt.NDArray[np.int64]
+    got: Scan, useg: Segments, share: F64, n_req: npt.NDArray[np.int64],
+    n_smp: npt.NDArray[np.int64],
 ) -> dict[int, dict[str, ModelStats]]:
-    """Per workflow and model: counts, durations and shares over every completed request;
-    ``p``, ``p_agg`` and ``busy_mean`` over the union sample (``useg``)."""
+    """Per workflow and model: calls and durations over every completed request; the rest
+    over the sample (``useg``)."""
     n_pairs = len(got.pairs)
-    share = _shares(got)
     known = ~np.isnan(share)
     with np.errstate(divide="ignore", invalid="ignore"):
         p_seg = np.where(useg.union != 0, useg.dur / useg.union, np.nan)
     p_known = ~np.isnan(p_seg)
 
-    def per_pair(keys: I32, x: npt.ArrayLike | None = None,
+    def per_pair(x: npt.ArrayLike | None = None,
                  mask: npt.NDArray[np.bool_] | None = None) -> F64:
-        keys = keys if mask is None else keys[mask]
+        keys = useg.pair if mask is None else useg.pair[mask]
         weights = None if x is None else np.asarray(x)[mask] if mask is not None else x
         return np.bincount(keys, weights=weights, minlength=n_pairs).astype(np.float64)
 
-    calls, req_calling = per_pair(got.seg_pair, got.seg_calls), per_pair(got.seg_pair)
-    dur = per_pair(got.seg_pair, got.seg_dur)
-    share_sum = per_pair(got.seg_pair, share, known)
-    share_sq = per_pair(got.seg_pair, share * share, known)
-    s_dur, s_union = per_pair(useg.pair, useg.dur), per_pair(useg.pair, useg.union)
-    p_sum, p_n = per_pair(useg.pair, p_seg, p_known), per_pair(useg.pair, None, p_known)
+    calling = per_pair()
+    share_sum, share_sq = per_pair(share, known), per_pair(share * share, known)
+    s_dur, s_union = per_pair(useg.dur), per_pair(useg.union)
+    p_sum, p_n = per_pair(p_seg, p_known), per_pair(None, p_known)
     out: dict[int, dict[str, ModelStats]] = {}
-    for pair in np.flatnonzero(req_calling):
+    for pair in np.flatnonzero(got.pair_calls):
         w, model = got.pairs[pair]
         n, n_s = int(n_req[w]), int(n_smp[w])
-        share_mean = float(share_sum[pair]) / n
+        if not n_s:
+            continue
+        calls = int(got.pair_calls[pair])
+        share_mean = float(share_sum[pair]) / n_s
         out.setdefault(w, {})[model] = ModelStats(
             model=model,
-            calls=int(calls[pair]),
-            requests_calling=int(req_calling[pair]),
-            n=float(calls[pair]) / n,
+            calls=calls,
+            requests_calling=round(float(calling[pair]) * n / n_s),
+            n=calls / n,
             p=float(p_sum[pair] / p_n[pair]) if p_n[pair] else math.nan,
             p_agg=float(s_dur[pair] / s_union[pair]) if s_union[pair] else math.nan,
-            latency_mean=float(dur[pair]) / float(calls[pair]) / US,
-            busy_mean=float(s_union[pair]) / n_s / US if n_s else math.nan,
+            latency_mean=float(got.pair_dur[pair]) / calls / US,
+            busy_mean=float(s_union[pair]) / n_s / US,
             share_mean=share_mean,
-            share_cv=_cv(share_mean, float(share_sq[pair]) / n),
+            share_cv=_cv(share_mean, float(share_sq[pair]) / n_s),
             prompt_tokens=_tokens(got.prompt, int(pair)),
             completion_tokens=_tokens(got.completion, int(pair)),
         )
@@ -301,19 +307,21 @@ def _tokens(hist: Histogram, pair: int) -> TokenStats:
     )
 
 
-def _bimodality(got: Scan, n_req: npt.NDArray[np.int64]) -> dict[int, Bimodality]:
-    """Per workflow, the model whose per-request share splits most cleanly in two, if any."""
-    share = _shares(got)
+def _bimodality(
+    got: Scan, useg: Segments, share: F64, n_smp: npt.NDArray[np.int64]
+) -> dict[int, Bimodality]:
+    """Per workflow, the model whose per-request share (over the sample) splits most cleanly
+    in two, if any."""
     wf_of_pair = np.asarray([w for w, _ in got.pairs], dtype=np.int64)
-    present = np.unique(got.seg_pair)
+    present = np.unique(useg.pair)
     models_in = np.bincount(wf_of_pair[present], minlength=len(got.workflows))
     best: dict[int, Bimodality] = {}
-    bounds = np.asarray(np.searchsorted(got.seg_pair, np.r_[present, len(got.pairs)]), np.int64)
+    bounds = np.asarray(np.searchsorted(useg.pair, np.r_[present, len(got.pairs)]), np.int64)
     for i, pair in enumerate(present):
         w, model = got.pairs[int(pair)]
         if models_in[w] < 2:
             continue
-        values = np.zeros(int(n_req[w]))  # requests that never call the model have share 0
+        values = np.zeros(int(n_smp[w]))  # requests that never call the model have share 0
         mine = share[bounds[i]:bounds[i + 1]]
         known = mine[~np.isnan(mine)]
         values[: known.size] = known

@@ -19,15 +19,16 @@ import argparse
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import orjson
-from rich.console import Console
-from rich.table import Table
 
 from optimizer.cli import UsageError, parse_duration_s
 from optimizer.stats import Window, WorkflowStats, summarise_store
+
+if TYPE_CHECKING:
+    from rich.table import Table
 from optimizer.stats_scan import UNION_CALLS_CAP
 from shared.store import StoreReader
 
@@ -38,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--exact", action="store_true",
-        help="compute the interval unions (critical path, overlap, tool time, p) over every "
-        f"request, not a hash sample of about {UNION_CALLS_CAP:,} calls (slower on big stores)")
+        help="compute the per-request figures (shares, critical path, overlap, tool time, p) "
+        f"over every request, not a hash sample of about {UNION_CALLS_CAP:,} calls (slower on "
+        "big stores; counts, call latencies and request latencies are always exact)")
 
 
 def _clean(value: Any) -> Any:
@@ -65,6 +67,8 @@ def to_json(stats: dict[str, WorkflowStats]) -> dict[str, Any]:
 
 
 def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
+    from rich.table import Table  # rich is paid for only when a table is printed
+
     table = Table(title="workflow statistics", title_justify="left")
     for col in ("workflow", "model", "requests", "rate/s", "n", "p", "latency s",
                 "share", "share cv", "latency cv", "overlap", "tool s"):
@@ -78,7 +82,7 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
             notes.append(f"{name}: {wf.arrivals} requests arrived and none completed in the "
                          "window (all still running: overloaded, or longer than the window)")
         if wf.union_requests < wf.requests:
-            notes.append(f"{name}: overlap, tool time and p from a sample of "
+            notes.append(f"{name}: shares, overlap, tool time and p from a sample of "
                          f"{wf.union_requests} of {wf.requests} requests (--exact for all)")
         if wf.bimodal is not None:
             s = wf.bimodal.split
@@ -120,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read the store at {args.store}: {exc}") from exc
     if args.json:
         print(orjson.dumps(to_json(stats), option=orjson.OPT_INDENT_2).decode())
-    elif not stats:
+        return 0
+    from rich.console import Console
+
+    if not stats:
         Console().print(f"no calls recorded in {args.store} in that window")
     else:
         console = Console(width=None if Console().is_terminal else 160)

@@ -2,14 +2,15 @@
 
 Role: the only part of :mod:`optimizer.stats` that runs SQL. One pass reads the store's
 columns once into a narrow table of integers (request key, pair key, times, tokens; retried
-attempts dropped); grouped passes over it hand numpy compact arrays: per completed request one
-row, per (request, model) *segment* one row (exact counts and summed durations: every per-model
-figure but the unions comes from these), plus token-count histograms and unidentified-call
-counts. The interval unions (critical path, per-model busy time, parallelism ``p_m``) need each
-request's calls in start order, the one step that grows faster than the store (a sort of
-calls); they are computed over a uniform hash sample of the completed requests holding at most
-about ``union_cap`` calls (all requests when they hold fewer: then every figure is exact),
-sorted by ``a`` in the shifted layout below for :mod:`optimizer.stats_union`.
+attempts dropped); one grouping of it by request gives every request's span, sums and whether
+it arrived in the window and completed. From those, exact figures come cheap: arrivals, every
+completed request's span, and per (workflow, model) pair the calls of completed requests and
+their summed durations. Everything per (request, model) (shares, interval unions, parallelism
+``p_m``) needs each request's calls in start order, the one step that grows faster than the
+store (a sort of calls): it runs over a uniform hash sample of each workflow's completed
+requests, about ``union_cap`` calls in all (every request when they hold fewer: then every
+figure is exact), sorted by ``a`` in the shifted layout below for
+:mod:`optimizer.stats_union`. Token-count histograms and unidentified-call counts are exact.
 
 Layout of the sorted calls: every completed request ``i`` owns the integer range
 ``[off_i, off_i + extent_i]`` with ``off_{i+1} = off_i + extent_i + 1``, where ``extent_i``
@@ -30,9 +31,10 @@ Invariants (DESIGN §3.4):
 - a request arrives at its first call's start and counts only if that lies in
   ``[t_from, t_to - settle)``; it is completed when no call of it is still running and its
   last call ended by ``t_to - settle``;
-- the union sample is a pure function of the request keys and the number of calls (the same
-  store gives the same sample), and includes every request when they hold at most
-  ``union_cap`` calls;
+- the sample is a pure function of the request keys and each workflow's numbers of calls
+  and requests (the same store gives the same sample). A workflow's budget is the cap shared
+  out among the workflows, never under a tenth of it, so a quiet workflow beside a busy one
+  keeps a sample of its own; a workflow within its budget is sampled whole;
 - token histograms and unidentified counts cover calls whose start lies in the window;
 - every temp table and view it creates is dropped, and the connection's
   ``preserve_insertion_order`` restored, before it returns.
@@ -55,6 +57,9 @@ _tags = itertools.count()
 # of that; a mean over the tens of thousands of requests they hold is as good as exact).
 UNION_CALLS_CAP = 1_000_000
 SAMPLE_MODULUS = 1 << 20  # a request is sampled when its key modulo this is below a threshold
+# A workflow's sample holds at least about budget / this many requests (2,000 at the default
+# cap), however long its requests are.
+SAMPLE_MIN_REQUESTS_PER = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,25 +83,25 @@ class Histogram:
 @dataclass(frozen=True, slots=True)
 class Scan:
     """What the statistics need, as arrays. Pair codes index ``pairs``; workflow codes
-    index ``workflows``; request indices follow the requests' offset order."""
+    index ``workflows``."""
 
     workflows: tuple[str, ...]
     pairs: tuple[tuple[int, str], ...]  # (workflow code, model; "" if null) per pair code
     arrivals: I64  # per workflow code: requests that arrived in the window
     unidentified: I64  # per workflow code: windowed calls without a request id
-    # completed requests, ordered by their offset
+    # every completed request, in no particular order
     req_pair: I32  # the pair of one of its calls (for its workflow)
     req_t0: I64
     req_t1: I64
-    req_dur: I64  # Σ call durations
-    req_off: I64  # start of its range in the shifted layout
-    req_sampled: npt.NDArray[np.bool_]  # its calls are in call_* (the union sample)
-    # (request, pair) segments of completed requests, exact; sorted by pair, then request
-    seg_pair: I32
-    seg_request: I32
-    seg_calls: I64
-    seg_dur: I64  # Σ call durations
-    # calls (with an end) of the sampled completed requests, sorted by a
+    # per pair code, over every completed request: its calls and their summed durations
+    pair_calls: I64
+    pair_dur: I64
+    # the sample: completed requests ordered by their offset in the shifted layout
+    smp_pair: I32
+    smp_dur: I64  # Σ call durations
+    smp_off: I64  # start of its range in the shifted layout
+    smp_span: I64  # t1 - t0
+    # calls (with an end) of the sampled requests, sorted by a
     call_pair: I32
     call_a: I64
     call_b: I64
@@ -109,10 +114,10 @@ class _Names(NamedTuple):
     n: str  # (workflow, model) pairs: their codes and key hashes
     top: str  # retried call ids
     c: str  # the calls, de-duplicated, with integer request and pair keys
-    g: str  # (request, pair) segments
     o: str  # calls still running: open rows no finished row supersedes
-    r: str  # requests that arrived
-    q: str  # completed requests with offsets and the sample flag
+    r: str  # every request: span, sums, whether it arrived in the window, whether completed
+    k: str  # per pair code: its workflow's sample threshold
+    q: str  # the sampled completed requests with their offsets
 
 
 def _i64(got: dict[str, npt.NDArray[np.generic]], name: str) -> I64:
@@ -123,12 +128,25 @@ def _i32(got: dict[str, npt.NDArray[np.generic]], name: str) -> I32:
     return np.ascontiguousarray(got[name], dtype=np.int32)
 
 
-def sample_threshold(calls: int, union_cap: int | None) -> int:
-    """Requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the union sample:
-    all of them when ``calls`` fit in ``union_cap`` (or there is no cap)."""
-    if union_cap is None or calls <= union_cap:
+def workflow_budget(union_cap: int | None, workflows: int) -> int | None:
+    """The calls one workflow's sample may hold: the cap shared out, but never under a tenth
+    of it (a workflow with a small share of the traffic still gets a sample that size)."""
+    if union_cap is None:
+        return None
+    return max(union_cap // max(workflows, 1), union_cap // 10)
+
+
+def sample_threshold(calls: int, requests: int, budget: int | None) -> int:
+    """A workflow's requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the
+    sample: all of them when its ``calls`` fit in ``budget`` (or there is no budget), else
+    about ``budget`` calls' worth, but never fewer than about ``budget //
+    SAMPLE_MIN_REQUESTS_PER`` requests (long requests must not leave the sample nearly
+    empty)."""
+    floor = 0 if budget is None else max(1, budget // SAMPLE_MIN_REQUESTS_PER)
+    if budget is None or calls <= budget or requests <= floor:
         return SAMPLE_MODULUS
-    return max(1, union_cap * SAMPLE_MODULUS // calls)
+    return min(SAMPLE_MODULUS, max(budget * SAMPLE_MODULUS // calls,
+                                   -(-floor * SAMPLE_MODULUS // requests)))
 
 
 def scan(
@@ -151,7 +169,7 @@ def scan(
     try:
         return _scan(con, names, bounds, union_cap)
     finally:
-        for table in (names.q, names.r, names.o, names.g, names.c, names.top, names.n):
+        for table in (names.q, names.k, names.r, names.o, names.c, names.top, names.n):
             con.execute(f"DROP TABLE IF EXISTS {table}")
         con.execute(f"DROP VIEW IF EXISTS {names.raw}")
         con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
@@ -210,14 +228,6 @@ def _scan(
                b.prompt_tokens, b.completion_tokens{ck}
         FROM {t.raw} b {dedup}
     """)
-    con.execute(f"""
-        CREATE TEMP TABLE {t.g} AS
-        SELECT x.rk, n.pair, x.calls, x.dur, x.t0, x.t1, x.s1
-        FROM (SELECT rk, pk, count(*) AS calls, sum(t_end - t_start)::BIGINT AS dur,
-                     min(t_start) AS t0, max(t_end) AS t1, max(t_start) AS s1
-              FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL GROUP BY rk, pk) x
-        JOIN {t.n} n USING (pk)
-    """)
     # Token histograms and unidentified counts of the windowed calls, in one pass.
     counted = con.execute(f"""
         SELECT pk, prompt_tokens, completion_tokens, unid,
@@ -230,48 +240,68 @@ def _scan(
         [f"t0 >= {int(lo)}" if lo is not None else "true"]
         + ([f"t0 < {int(hi)}"] if hi is not None else [])
     )
+    done = f"t1 <= {int(hi)}" if hi is not None else "true"
     running = _running_calls(con, t) if has_open else 0
-    # A request with a call still running arrives at its first start, whichever row holds it.
-    extra = (f" UNION ALL SELECT o.rk, n.pair, o.t_start, NULL, o.t_start, 0, 0, true "
-             f"FROM {t.o} o JOIN {t.n} n USING (pk)") if running else ""
+    if running:
+        # A request with a call still running arrives at its first start, whichever row
+        # holds it, and is not completed.
+        source = f"""
+            SELECT rk, pk, t_start, t_end, false AS open FROM {t.c}
+            WHERE rk IS NOT NULL AND t_end IS NOT NULL
+            UNION ALL SELECT rk, pk, t_start, NULL, true FROM {t.o}"""
+        done += " AND NOT open"
+        is_open, calls = "bool_or(open) AS open", "count(t_end)"
+    else:
+        source = f"SELECT * FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL"
+        is_open, calls = "false AS open", "count(*)"
+    # Every request once: one grouping of the calls, by request only.
     con.execute(f"""
         CREATE TEMP TABLE {t.r} AS
-        SELECT rk, any_value(pair) AS pair, min(t0) AS t0, max(t1) AS t1, max(s1) AS s1,
-               sum(dur)::BIGINT AS dur, sum(calls)::BIGINT AS calls, bool_or(open) AS open
-        FROM (SELECT rk, pair, t0, t1, s1, dur, calls, false AS open FROM {t.g}{extra})
-        GROUP BY rk HAVING {arrive}
+        SELECT *, {arrive} AS arrived, {arrive} AND {done} AS complete
+        FROM (SELECT rk, any_value(pk) AS pk, min(t_start) AS t0, max(t_end) AS t1,
+                     max(t_start) AS s1, sum(t_end - t_start)::BIGINT AS dur,
+                     {calls} AS calls, {is_open}
+              FROM ({source}) GROUP BY rk)
     """)
     n_wf = len(workflows)
     wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
-    arrivals = _per_workflow(con.execute(
-        f"SELECT pair, count(*) FROM {t.r} GROUP BY pair").fetchall(), wf_of_pair, n_wf)
-    done = f"t1 <= {int(hi)}" if hi is not None else "true"
-    if running:
-        done += " AND NOT open"
-    total = con.execute(f"SELECT coalesce(sum(calls), 0) FROM {t.r} WHERE {done}").fetchone()
-    keep = sample_threshold(int(total[0]) if total else 0, union_cap)
-    sampled = f"rk % {SAMPLE_MODULUS} < {keep}"
+    arrivals = _per_workflow(
+        [(pair_of[int(key)], int(n)) for key, n in con.execute(
+            f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk").fetchall()],
+        wf_of_pair, n_wf)
+    per_pk = con.execute(f"SELECT pk, sum(calls)::BIGINT, count(*) FROM {t.r} WHERE complete "
+                         "GROUP BY pk").fetchall()
+    wf_calls, wf_requests = (_per_workflow([(pair_of[int(row[0])], int(row[i])) for row in per_pk],
+                                           wf_of_pair, n_wf) for i in (1, 2))
+    req = con.execute(f"""
+        SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
+    """).fetchnumpy()
+    pair_calls, pair_dur = _pair_totals(con, t, pair_of, len(pairs))
+    # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
+    budget = workflow_budget(union_cap, int(np.count_nonzero(wf_requests)))
+    keep = [sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budget)
+            for w in range(n_wf)]
+    con.execute(f"CREATE TEMP TABLE {t.k} (pair INTEGER, keep BIGINT)")
+    if pairs:
+        con.executemany(f"INSERT INTO {t.k} VALUES (?, ?)",
+                        [(k, keep[w]) for k, (w, _) in enumerate(pairs)])
+    top_keep = max(keep, default=0)
     # extent covers starts too (a call may end before it starts); + 1 keeps ranges disjoint.
     con.execute(f"""
         CREATE TEMP TABLE {t.q} AS
-        SELECT rk, pair, t0, t1, dur,
-               (sum(greatest(t1, s1) - t0 + 1) OVER w - (greatest(t1, s1) - t0 + 1))::BIGINT AS off,
-               (row_number() OVER w - 1)::INTEGER AS idx, {sampled} AS sampled
-        FROM {t.r} WHERE {done}
+        SELECT rk, pair, t0, t1 - t0 AS span, dur,
+               (sum(greatest(t1, s1) - t0 + 1) OVER w - (greatest(t1, s1) - t0 + 1))::BIGINT AS off
+        FROM (SELECT r.*, n.pair FROM {t.r} r JOIN {t.n} n USING (pk) JOIN {t.k} k USING (pair)
+              WHERE r.complete AND r.rk % {SAMPLE_MODULUS} < k.keep)
         WINDOW w AS (ORDER BY t0, rk ROWS UNBOUNDED PRECEDING)
     """)
-    req = con.execute(
-        f"SELECT pair, t0, t1, dur, off, sampled FROM {t.q} ORDER BY off").fetchnumpy()
-    seg = con.execute(f"""
-        SELECT g.pair, q.idx AS request, g.calls, g.dur FROM {t.g} g JOIN {t.q} q USING (rk)
-        ORDER BY g.pair, q.idx
-    """).fetchnumpy()
-    # The sample's calls: the same predicate on both sides drops most calls before the join
-    # probes.
+    smp = con.execute(f"SELECT pair, dur, off, span FROM {t.q} ORDER BY off").fetchnumpy()
+    # The sample's calls: a cheap predicate (the highest threshold) drops most calls before
+    # the join probes.
     got = con.execute(f"""
         SELECT n.pair, x.t_start + (q.off - q.t0) AS a, x.t_end + (q.off - q.t0) AS b
-        FROM (SELECT * FROM {t.c} WHERE t_end IS NOT NULL AND {sampled}) x
-        JOIN (SELECT * FROM {t.q} WHERE sampled) q USING (rk) JOIN {t.n} n USING (pk)
+        FROM (SELECT * FROM {t.c} WHERE t_end IS NOT NULL AND rk % {SAMPLE_MODULUS} < {top_keep}) x
+        JOIN {t.q} q USING (rk) JOIN {t.n} n USING (pk)
         ORDER BY a
     """).fetchnumpy()
     unidentified = np.zeros(n_wf, dtype=np.int64)
@@ -292,19 +322,44 @@ def _scan(
         req_pair=_i32(req, "pair"),
         req_t0=_i64(req, "t0"),
         req_t1=_i64(req, "t1"),
-        req_dur=_i64(req, "dur"),
-        req_off=_i64(req, "off"),
-        req_sampled=np.ascontiguousarray(req["sampled"], dtype=bool),
-        seg_pair=_i32(seg, "pair"),
-        seg_request=_i32(seg, "request"),
-        seg_calls=_i64(seg, "calls"),
-        seg_dur=_i64(seg, "dur"),
+        pair_calls=pair_calls,
+        pair_dur=pair_dur,
+        smp_pair=_i32(smp, "pair"),
+        smp_dur=_i64(smp, "dur"),
+        smp_off=_i64(smp, "off"),
+        smp_span=_i64(smp, "span"),
         call_pair=_i32(got, "pair"),
         call_a=_i64(got, "a"),
         call_b=_i64(got, "b"),
         prompt=_histogram(hist[3]),
         completion=_histogram(hist[5]),
     )
+
+
+def _pair_totals(
+    con: duckdb.DuckDBPyConnection, t: _Names, pair_of: dict[int, int], n_pairs: int
+) -> tuple[I64, I64]:
+    """Per pair code, the calls of completed requests and their summed durations (exact).
+    Probes the calls against the smaller side: the completed requests, or (totals minus) the
+    others, a few at the window's edges when the window is long."""
+    got = con.execute(
+        f"SELECT count(*) FILTER (WHERE complete), count(*) FROM {t.r}").fetchone()
+    complete, total = (int(got[0] or 0), int(got[1] or 0)) if got else (0, 0)
+    finished = f"SELECT rk, pk, t_end - t_start AS d FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL"
+
+    def sums(which: str | None) -> tuple[I64, I64]:
+        join = "" if which is None else f"SEMI JOIN (SELECT rk FROM {t.r} WHERE {which}) USING (rk)"
+        calls, dur = np.zeros(n_pairs, np.int64), np.zeros(n_pairs, np.int64)
+        for key, n, d in con.execute(
+                f"SELECT pk, count(*), sum(d)::BIGINT FROM ({finished}) {join} GROUP BY pk"
+        ).fetchall():
+            calls[pair_of[int(key)]], dur[pair_of[int(key)]] = int(n), int(d)
+        return calls, dur
+
+    if complete <= total - complete:
+        return sums("complete")
+    (all_calls, all_dur), (ex_calls, ex_dur) = sums(None), sums("NOT complete")
+    return all_calls - ex_calls, all_dur - ex_dur
 
 
 def _running_calls(con: duckdb.DuckDBPyConnection, t: _Names) -> int:

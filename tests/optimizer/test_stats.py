@@ -182,7 +182,7 @@ def _many_requests(n: int) -> list[Row]:
     return rows
 
 
-def test_union_figures_come_from_a_sample_above_the_cap(write_store: Write) -> None:
+def test_per_request_figures_come_from_a_sample_above_the_cap(write_store: Write) -> None:
     store = write_store(_many_requests(800))
     exact = summarise_store(store, union_cap=None)["w"]
     sampled = summarise_store(store, union_cap=1500)["w"]
@@ -191,20 +191,33 @@ def test_union_figures_come_from_a_sample_above_the_cap(write_store: Write) -> N
     # about 1,500 of ~6,000 calls: a quarter of the requests, the same ones every time
     assert 120 < sampled.union_requests < 300
     assert again == sampled
-    # counts, durations, shares and spans stay exact over every request
+    # counts, call durations and request spans stay exact over every request
     assert sampled.requests == exact.requests and sampled.arrival_rate == exact.arrival_rate
     assert sampled.latency_mean == exact.latency_mean
+    assert sampled.latency_cv == exact.latency_cv
     for model in ("gen", "ver"):
         mine, full = sampled.models[model], exact.models[model]
         assert (mine.calls, mine.n, mine.latency_mean) == (full.calls, full.n, full.latency_mean)
-        assert (mine.share_mean, mine.share_cv) == (full.share_mean, full.share_cv)
-        # the union-based figures are estimates from the sample, close to the exact ones
+        # per-request figures are estimates from the sample, close to the exact ones
+        assert mine.requests_calling == pytest.approx(full.requests_calling, rel=0.05)
+        assert mine.share_mean == pytest.approx(full.share_mean, rel=0.05)
+        assert mine.share_cv == pytest.approx(full.share_cv, rel=0.1)
         assert mine.p_agg == pytest.approx(full.p_agg, rel=0.05)
         assert mine.busy_mean == pytest.approx(full.busy_mean, rel=0.08)
     assert exact.models["ver"].p_agg > 1.3  # the fan-out is there to be measured
     assert sampled.critical_path_mean == pytest.approx(exact.critical_path_mean, rel=0.08)
     assert sampled.overlap_factor == pytest.approx(exact.overlap_factor, rel=0.05)
     assert sampled.tool_time_mean == pytest.approx(exact.tool_time_mean, rel=0.1)
+
+
+def test_a_small_workflow_keeps_a_sample_of_its_own(write_store: Write) -> None:
+    """Beside a busy workflow, a quiet one is not sampled at the busy one's rate: its
+    budget is a share of the cap, never under a tenth of it."""
+    rows = _many_requests(800)
+    rows += [call("q", f"q{i}", "gen", i, i + 0.5) for i in range(100)]
+    stats = summarise_store(write_store(rows), union_cap=1500)
+    assert stats["w"].union_requests < 400
+    assert stats["q"].union_requests == stats["q"].requests == 100
 
 
 def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(

@@ -54,11 +54,15 @@ def test_the_shifted_layout_keeps_requests_apart(write_store: Write) -> None:
     assert [m for _, m in got.pairs] == ["gen", "gen", "ver"]
     assert np.all(np.diff(got.call_a) >= 0)  # sorted by shifted start
     # request A spans [0, 9] s, B [5, 6] s; each owns [off, off + extent] and they don't touch
-    assert got.req_off.tolist() == [0, 9 * S + 1]
-    assert got.req_dur.tolist() == [(4 + 1 + 6) * S, (1 + 0.2) * S]
-    a_of_b = got.call_a[got.call_a >= got.req_off[1]]
+    assert got.smp_off.tolist() == [0, 9 * S + 1]
+    assert got.smp_dur.tolist() == [(4 + 1 + 6) * S, (1 + 0.2) * S]
+    assert got.smp_span.tolist() == [9 * S, 1 * S]
+    a_of_b = got.call_a[got.call_a >= got.smp_off[1]]
     assert a_of_b.tolist() == [9 * S + 1, 9 * S + 1 + S // 2]
     assert got.arrivals.tolist() == [0, 3] and got.unidentified.tolist() == [1, 0]
     assert len(got.req_t0) == 2  # C is not complete
+    # exact per pair (v/gen, w/gen, w/ver) over completed requests: A and B
+    assert got.pair_calls.tolist() == [0, 4, 1]
+    assert got.pair_dur.tolist() == [0, (4 + 6 + 1 + 0.2) * S, 1 * S]
     # the token histograms count finished calls only (an open row reports no usage)
     assert int(got.prompt.count.sum()) == len(_rows()) - 1
