@@ -185,10 +185,10 @@ def _scan(
     )
     # The (workflow, model) pairs are few and dictionary-encoded in Parquet, so this pass is
     # cheap; every later pass keys a pair by its 64-bit hash, an integer, not two strings.
-    pk = "hash(coalesce(workflow, ''), model)"
-    found = con.execute(
-        f"SELECT DISTINCT coalesce(workflow, '') AS w, model, {pk} AS pk FROM {t.raw}"
-    ).fetchall()
+    found = con.execute(f"""
+        SELECT w, model, hash(w, model) AS pk
+        FROM (SELECT DISTINCT coalesce(workflow, '') AS w, model FROM {t.raw})
+    """).fetchall()
     found.sort(key=lambda row: (row[0], row[1] is None, row[1] or ""))
     if len({row[2] for row in found}) != len(found):  # two pairs, one hash: never seen
         raise RuntimeError("stats: two (workflow, model) pairs share a 64-bit key hash")
@@ -228,12 +228,17 @@ def _scan(
                b.prompt_tokens, b.completion_tokens{ck}
         FROM {t.raw} b {dedup}
     """)
-    # Token histograms and unidentified counts of the windowed calls, in one pass.
+    # Token histograms and unidentified counts of the windowed calls, and every identified
+    # call's count and summed duration per pair (the totals :func:`_pair_totals` starts from),
+    # in one pass over the finished calls.
     counted = con.execute(f"""
         SELECT pk, prompt_tokens, completion_tokens, unid,
-               GROUPING(prompt_tokens, completion_tokens, unid) AS gid, count(*) AS n
-        FROM (SELECT pk, prompt_tokens, completion_tokens, rk IS NULL AS unid
-              FROM {t.c} WHERE {in_window} AND t_end IS NOT NULL)
+               GROUPING(prompt_tokens, completion_tokens, unid) AS gid,
+               count(*) FILTER (WHERE windowed) AS n, count(*) AS n_all,
+               sum(t_end - t_start)::BIGINT AS d_all
+        FROM (SELECT pk, prompt_tokens, completion_tokens, t_start, t_end,
+                     rk IS NULL AS unid, {in_window} AS windowed
+              FROM {t.c} WHERE t_end IS NOT NULL)
         GROUP BY GROUPING SETS ((pk, prompt_tokens), (pk, completion_tokens), (pk, unid))
     """).fetchall()
     arrive = " AND ".join(
@@ -276,7 +281,6 @@ def _scan(
     req = con.execute(f"""
         SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
     """).fetchnumpy()
-    pair_calls, pair_dur = _pair_totals(con, t, pair_of, len(pairs))
     # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
     budget = workflow_budget(union_cap, int(np.count_nonzero(wf_requests)))
     keep = [sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budget)
@@ -306,14 +310,18 @@ def _scan(
     """).fetchnumpy()
     unidentified = np.zeros(n_wf, dtype=np.int64)
     hist: dict[int, list[tuple[int, int, int]]] = {3: [], 5: []}
-    for key, prompt, completion, unid, gid, count in counted:
+    all_calls, all_dur = np.zeros(len(pairs), np.int64), np.zeros(len(pairs), np.int64)
+    for key, prompt, completion, unid, gid, count, n_all, d_all in counted:
         k = pair_of[int(key)]
         if gid == 6 and unid:
             unidentified[pairs[k][0]] += int(count)
-        elif gid == 3 and prompt is not None:
+        elif gid == 6:
+            all_calls[k], all_dur[k] = int(n_all), int(d_all)
+        elif gid == 3 and prompt is not None and count:
             hist[3].append((k, int(prompt), int(count)))
-        elif gid == 5 and completion is not None:
+        elif gid == 5 and completion is not None and count:
             hist[5].append((k, int(completion), int(count)))
+    pair_calls, pair_dur = _pair_totals(con, t, pair_of, all_calls, all_dur)
     return Scan(
         workflows=workflows,
         pairs=pairs,
@@ -337,29 +345,29 @@ def _scan(
 
 
 def _pair_totals(
-    con: duckdb.DuckDBPyConnection, t: _Names, pair_of: dict[int, int], n_pairs: int
+    con: duckdb.DuckDBPyConnection, t: _Names, pair_of: dict[int, int], all_calls: I64,
+    all_dur: I64,
 ) -> tuple[I64, I64]:
-    """Per pair code, the calls of completed requests and their summed durations (exact).
-    Probes the calls against the smaller side: the completed requests, or (totals minus) the
-    others, a few at the window's edges when the window is long."""
+    """Per pair code, the calls of completed requests and their summed durations (exact),
+    from the totals over every identified call: probes the calls against the smaller side,
+    the completed requests, or (to subtract) the others, a few at the window's edges when the
+    window is long."""
     got = con.execute(
         f"SELECT count(*) FILTER (WHERE complete), count(*) FROM {t.r}").fetchone()
     complete, total = (int(got[0] or 0), int(got[1] or 0)) if got else (0, 0)
-    finished = f"SELECT rk, pk, t_end - t_start AS d FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL"
-
-    def sums(which: str | None) -> tuple[I64, I64]:
-        join = "" if which is None else f"SEMI JOIN (SELECT rk FROM {t.r} WHERE {which}) USING (rk)"
-        calls, dur = np.zeros(n_pairs, np.int64), np.zeros(n_pairs, np.int64)
-        for key, n, d in con.execute(
-                f"SELECT pk, count(*), sum(d)::BIGINT FROM ({finished}) {join} GROUP BY pk"
-        ).fetchall():
-            calls[pair_of[int(key)]], dur[pair_of[int(key)]] = int(n), int(d)
+    if complete == total:
+        return all_calls, all_dur
+    which = "complete" if complete <= total - complete else "NOT complete"
+    calls, dur = np.zeros_like(all_calls), np.zeros_like(all_dur)
+    for key, n, d in con.execute(f"""
+        SELECT pk, count(*), sum(t_end - t_start)::BIGINT FROM {t.c}
+        SEMI JOIN (SELECT rk FROM {t.r} WHERE {which}) USING (rk)
+        WHERE t_end IS NOT NULL GROUP BY pk
+    """).fetchall():
+        calls[pair_of[int(key)]], dur[pair_of[int(key)]] = int(n), int(d)
+    if which == "complete":
         return calls, dur
-
-    if complete <= total - complete:
-        return sums("complete")
-    (all_calls, all_dur), (ex_calls, ex_dur) = sums(None), sums("NOT complete")
-    return all_calls - ex_calls, all_dur - ex_dur
+    return all_calls - calls, all_dur - dur
 
 
 def _running_calls(con: duckdb.DuckDBPyConnection, t: _Names) -> int:
