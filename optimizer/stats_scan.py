@@ -89,7 +89,7 @@ class Scan:
     pairs: tuple[tuple[int, str], ...]  # (workflow code, model; "" if null) per pair code
     arrivals: I64  # per workflow code: requests that arrived in the window
     unidentified: I64  # per workflow code: windowed calls without a request id
-    # every completed request, in no particular order
+    # every completed request, ordered by first start (then key)
     req_pair: I32  # the pair of one of its calls (for its workflow)
     req_t0: I64
     req_t1: I64
@@ -278,8 +278,10 @@ def _scan(
                          "GROUP BY pk").fetchall()
     wf_calls, wf_requests = (_per_workflow([(pair_of[int(row[0])], int(row[i])) for row in per_pk],
                                            wf_of_pair, n_wf) for i in (1, 2))
+    # Ordered, so that float sums over them come out the same every time.
     req = con.execute(f"""
         SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
+        ORDER BY r.t0, r.rk
     """).fetchnumpy()
     # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
     budget = workflow_budget(union_cap, int(np.count_nonzero(wf_requests)))
