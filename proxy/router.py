@@ -192,9 +192,8 @@ class Router:
         preferred = min(
             (r for r in live if r.url in urls), key=lambda r: (r.in_flight, self._rng.random())
         )
-        if preferred.in_flight > least.in_flight + self.settings.affinity_slack:
-            return least
-        return preferred
+        return preferred if self.settings.keeps_affinity(preferred.in_flight, least.in_flight) \
+            else least
 
     def has_alternative(self, model: str, tried: Sequence[Replica]) -> bool:
         """Whether an active replica of ``model`` is left that ``tried`` does not hold."""

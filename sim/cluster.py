@@ -18,7 +18,8 @@ Invariants and assumptions:
   with its default settings, over token blocks instead of characters (# assumed: 4
   characters a token): a chat call follows the replica that last served the longest
   remembered prefix of its prompt when at least half of the prompt's blocks matched and that
-  replica is at most ``affinity_slack`` calls busier than the least loaded; otherwise (and for
+  replica is not much busier than the least loaded (``RoutingSettings.keeps_affinity``, the
+  proxy's own rule); otherwise (and for
   embeddings and rerank calls, which carry no chat prompt) the least loaded replica, ties
   broken at random.
 """
@@ -258,7 +259,7 @@ class Router:
         held, matched = table.longest(keys, pool)
         if held and matched / len(keys) >= self.settings.affinity_min_match:
             preferred = min(held, key=lambda r: (r.outstanding, self.rng.random()))
-            if preferred.outstanding <= least.outstanding + self.settings.affinity_slack:
+            if self.settings.keeps_affinity(preferred.outstanding, least.outstanding):
                 chosen = preferred
         table.remember(keys, chosen)
         return chosen

@@ -51,6 +51,26 @@ def test_prefix_affinity_follows_the_prefix_and_falls_back_when_busy() -> None:
     assert other.in_flight == 0
 
 
+@pytest.mark.parametrize(("ratio", "sticks_at_35"), [(1.0, True), (0.0, False)])
+def test_under_heavy_load_affinity_tolerates_a_proportional_imbalance(
+        ratio: float, sticks_at_35: bool) -> None:
+    """With 20 calls in flight everywhere, a fixed slack of 8 is crossed by ordinary swings;
+    the load ratio lets a prefix stay home up to twice its peers' load, never beyond."""
+    r = _router(2, policy="prefix_affinity", prefix_block_chars=16, affinity_slack=8,
+                affinity_load_ratio=ratio)
+    beam = "You are a careful math solver. " * 4 + "Problem 17: integrate x^2. Step 1:"
+    home = r.pick("m", beam)
+    other = next(rep for rep in r.replicas() if rep is not home)
+    for _ in range(20):
+        r.acquire(other)
+    for _ in range(35):
+        r.acquire(home)
+    assert (r.pick("m", beam + " x^3/3") is home) is sticks_at_35
+    for _ in range(6):
+        r.acquire(home)  # 41: more than twice the least loaded
+    assert r.pick("m", beam + " x^3/3") is other
+
+
 def test_a_prefix_every_replica_holds_spreads_while_continuations_stick() -> None:
     """A long system prompt shared by every request is cached on every replica after a few
     requests: new requests that match only it go to the least loaded holder, not all to the
