@@ -19,9 +19,8 @@ Invariants and assumptions:
   characters a token): a chat call follows the replica that last served the longest
   remembered prefix of its prompt when at least half of the prompt's blocks matched and that
   replica is not much busier than the least loaded (``RoutingSettings.keeps_affinity``, the
-  proxy's own rule); otherwise (and for
-  embeddings and rerank calls, which carry no chat prompt) the least loaded replica, ties
-  broken at random.
+  proxy's own rule); otherwise (and for embeddings and rerank calls, which carry no chat
+  prompt) the least loaded replica, ties broken at random.
 """
 
 from __future__ import annotations
