@@ -275,15 +275,14 @@ def _models(
     out: dict[int, dict[str, ModelStats]] = {}
     for pair in np.flatnonzero(got.pair_calls):
         w, model = got.pairs[pair]
-        n, n_s = int(n_req[w]), int(n_smp[w])
-        if not n_s:
-            continue
+        n, n_s = int(n_req[w]), int(n_smp[w])  # n_s >= 1: every workflow keeps a sample
         calls = int(got.pair_calls[pair])
         share_mean = float(share_sum[pair]) / n_s
         out.setdefault(w, {})[model] = ModelStats(
             model=model,
             calls=calls,
-            requests_calling=round(float(calling[pair]) * n / n_s),
+            # a model too rare to be in the sample still has a request calling it
+            requests_calling=max(round(float(calling[pair]) * n / n_s), 1),
             n=calls / n,
             p=float(p_sum[pair] / p_n[pair]) if p_n[pair] else math.nan,
             p_agg=float(s_dur[pair] / s_union[pair]) if s_union[pair] else math.nan,

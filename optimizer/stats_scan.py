@@ -32,9 +32,9 @@ Invariants (DESIGN §3.4):
   ``[t_from, t_to - settle)``; it is completed when no call of it is still running and its
   last call ended by ``t_to - settle``;
 - the sample is a pure function of the request keys and each workflow's numbers of calls
-  and requests (the same store gives the same sample). A workflow's budget is the cap shared
-  out among the workflows, never under a tenth of it, so a quiet workflow beside a busy one
-  keeps a sample of its own; a workflow within its budget is sampled whole;
+  and requests (the same store gives the same sample); it holds every request when all of
+  them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets:
+  :func:`workflow_budgets` (a quiet workflow beside a busy one keeps a sample of its own);
 - token histograms and unidentified counts cover calls whose start lies in the window;
 - every temp table and view it creates is dropped, and the connection's
   ``preserve_insertion_order`` restored, before it returns.
@@ -43,6 +43,7 @@ Invariants (DESIGN §3.4):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,8 +58,9 @@ _tags = itertools.count()
 # of that; a mean over the tens of thousands of requests they hold is as good as exact).
 UNION_CALLS_CAP = 1_000_000
 SAMPLE_MODULUS = 1 << 20  # a request is sampled when its key modulo this is below a threshold
-# A workflow's sample holds at least about budget / this many requests (2,000 at the default
-# cap), however long its requests are.
+# A workflow's sample holds at least about min(SAMPLE_MIN_REQUESTS, budget /
+# SAMPLE_MIN_REQUESTS_PER) requests however long they are, and never none.
+SAMPLE_MIN_REQUESTS = 2_000
 SAMPLE_MIN_REQUESTS_PER = 50
 
 
@@ -128,22 +130,35 @@ def _i32(got: dict[str, npt.NDArray[np.generic]], name: str) -> I32:
     return np.ascontiguousarray(got[name], dtype=np.int32)
 
 
-def workflow_budget(union_cap: int | None, workflows: int) -> int | None:
-    """The calls one workflow's sample may hold: the cap shared out, but never under a tenth
-    of it (a workflow with a small share of the traffic still gets a sample that size)."""
-    if union_cap is None:
-        return None
-    return max(union_cap // max(workflows, 1), union_cap // 10)
+def workflow_budgets(union_cap: int | None, calls: Sequence[int]) -> list[int | None]:
+    """The calls each workflow's sample may hold (``None``: all of them). Everything fits
+    under the cap: no sampling. Otherwise the cap is shared out, smallest workflows first, a
+    workflow that needs less than its share passing the rest on; no budget is under a tenth
+    of the cap (a quiet workflow beside busy ones still gets a sample that size, so with more
+    than ten busy workflows the sample holds more than the cap)."""
+    if union_cap is None or sum(calls) <= union_cap:
+        return [None] * len(calls)
+    out: list[int | None] = [None] * len(calls)
+    left, waiting = union_cap, sum(1 for c in calls if c)
+    for w in sorted(range(len(calls)), key=lambda w: calls[w]):
+        if not calls[w]:
+            continue
+        share = max(left // waiting, union_cap // 10)
+        out[w] = None if calls[w] <= share else share
+        left, waiting = max(left - min(calls[w], share), 0), waiting - 1
+    return out
 
 
 def sample_threshold(calls: int, requests: int, budget: int | None) -> int:
     """A workflow's requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the
     sample: all of them when its ``calls`` fit in ``budget`` (or there is no budget), else
-    about ``budget`` calls' worth, but never fewer than about ``budget //
-    SAMPLE_MIN_REQUESTS_PER`` requests (long requests must not leave the sample nearly
-    empty)."""
-    floor = 0 if budget is None else max(1, budget // SAMPLE_MIN_REQUESTS_PER)
-    if budget is None or calls <= budget or requests <= floor:
+    about ``budget`` calls' worth, but never fewer than about ``min(SAMPLE_MIN_REQUESTS,
+    budget / SAMPLE_MIN_REQUESTS_PER)`` requests (long requests must not leave the sample
+    nearly empty)."""
+    if budget is None or calls <= budget:
+        return SAMPLE_MODULUS
+    floor = min(SAMPLE_MIN_REQUESTS, max(1, budget // SAMPLE_MIN_REQUESTS_PER))
+    if requests <= floor:
         return SAMPLE_MODULUS
     return min(SAMPLE_MODULUS, max(budget * SAMPLE_MODULUS // calls,
                                    -(-floor * SAMPLE_MODULUS // requests)))
@@ -262,7 +277,8 @@ def _scan(
     # Every request once: one grouping of the calls, by request only.
     con.execute(f"""
         CREATE TEMP TABLE {t.r} AS
-        SELECT *, {arrive} AS arrived, {arrive} AND {done} AS complete
+        SELECT *, coalesce({arrive}, false) AS arrived,
+               coalesce({arrive} AND {done}, false) AS complete
         FROM (SELECT rk, any_value(pk) AS pk, min(t_start) AS t0, max(t_end) AS t1,
                      max(t_start) AS s1, sum(t_end - t_start)::BIGINT AS dur,
                      {calls} AS calls, {is_open}
@@ -274,19 +290,26 @@ def _scan(
         [(pair_of[int(key)], int(n)) for key, n in con.execute(
             f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk").fetchall()],
         wf_of_pair, n_wf)
-    per_pk = con.execute(f"SELECT pk, sum(calls)::BIGINT, count(*) FROM {t.r} WHERE complete "
-                         "GROUP BY pk").fetchall()
+    per_pk = con.execute(f"""
+        SELECT pk, sum(calls)::BIGINT, count(*), min(rk % {SAMPLE_MODULUS})
+        FROM {t.r} WHERE complete GROUP BY pk
+    """).fetchall()
     wf_calls, wf_requests = (_per_workflow([(pair_of[int(row[0])], int(row[i])) for row in per_pk],
                                            wf_of_pair, n_wf) for i in (1, 2))
+    lowest = [SAMPLE_MODULUS] * n_wf  # per workflow, the smallest key a completed request has
+    for row in per_pk:
+        w = pairs[pair_of[int(row[0])]][0]
+        lowest[w] = min(lowest[w], int(row[3]))
     # Ordered, so that float sums over them come out the same every time.
     req = con.execute(f"""
         SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
         ORDER BY r.t0, r.rk
     """).fetchnumpy()
     # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
-    budget = workflow_budget(union_cap, int(np.count_nonzero(wf_requests)))
-    keep = [sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budget)
-            for w in range(n_wf)]
+    budgets = workflow_budgets(union_cap, [int(c) for c in wf_calls])
+    # ... and never none: the threshold lets the lowest key in
+    keep = [max(sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budgets[w]),
+                min(lowest[w] + 1, SAMPLE_MODULUS)) for w in range(n_wf)]
     con.execute(f"CREATE TEMP TABLE {t.k} (pair INTEGER, keep BIGINT)")
     if pairs:
         con.executemany(f"INSERT INTO {t.k} VALUES (?, ?)",

@@ -7,9 +7,11 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from optimizer.stats import Window, summarise_store
+from optimizer.stats_scan import SAMPLE_MODULUS
 from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
 
@@ -218,6 +220,32 @@ def test_a_small_workflow_keeps_a_sample_of_its_own(write_store: Write) -> None:
     stats = summarise_store(write_store(rows), union_cap=1500)
     assert stats["w"].union_requests < 400
     assert stats["q"].union_requests == stats["q"].requests == 100
+
+
+def test_no_workflow_is_left_without_a_sample(write_store: Write) -> None:
+    """Three long requests far over the cap: the hash threshold would likely take none of
+    them; the sample keeps one, and the exact counts stay."""
+    # request ids whose keys all lie above the threshold (a third of the key space)
+    con = duckdb.connect()
+    keys = dict(con.execute(f"SELECT 'long' || i, hash('w', 'long' || i) % {SAMPLE_MODULUS} "
+                            "FROM range(100) t(i)").fetchall())
+    con.close()
+    ids = [rid for rid, key in keys.items() if key > SAMPLE_MODULUS // 2][:3]
+    rows = [call("w", rid, "gen", 100 * i + j, 100 * i + j + 0.5)
+            for i, rid in enumerate(ids) for j in range(50)]
+    wf = summarise_store(write_store(rows), union_cap=50)["w"]
+    assert wf.requests == 3 and wf.union_requests == 1
+    gen = wf.models["gen"]
+    assert gen.calls == 150 and gen.n == pytest.approx(50.0)
+    assert gen.share_mean == pytest.approx(1.0) and gen.requests_calling >= 1
+    assert not math.isnan(wf.critical_path_mean)
+
+
+def test_everything_is_exact_when_all_calls_fit_under_the_cap(write_store: Write) -> None:
+    rows = _many_requests(80)  # ~600 calls
+    rows += [call("q", f"q{i}", "gen", i, i + 0.5) for i in range(10)]
+    stats = summarise_store(write_store(rows), union_cap=1000)
+    assert all(wf.union_requests == wf.requests for wf in stats.values())
 
 
 def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(
