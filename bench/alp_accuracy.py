@@ -65,7 +65,7 @@ from bench.sim_profile import (
     run_profile,
 )
 from optimizer.alp import ModelAlloc, Pipeline, predict
-from optimizer.profiles import ProfileBook
+from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.stats import WorkflowStats, summarise_store
 from shared.store import SegmentWriter
 from sim.cluster import Allocation, ReplicaSpec
@@ -323,6 +323,26 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
             for model, tp, share in keys]
 
 
+ProfileJobKey = tuple[str, str, int, float]  # workflow, model, TP, share
+
+
+def _job_key(job: ProfileJob) -> ProfileJobKey:
+    return job.case.workflow, job.model, job.tp, round(job.share, 6)
+
+
+def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]:
+    """Profile points of an earlier run (``--profiles-from``), by workflow and key (a model is
+    profiled under each workflow's own call mix)."""
+    if path is None:
+        return {}
+    out: dict[ProfileJobKey, list[ProfilePoint]] = {}
+    for doc in orjson.loads(path.read_bytes())["profile_points"]:
+        workflow = doc.pop("workflow")
+        p = ProfilePoint(**doc)
+        out.setdefault((workflow, p.model, p.tp, round(p.share, 6)), []).append(p)
+    return out
+
+
 def _alloc_doc(allocation: dict[str, ModelAlloc]) -> dict[str, dict[str, float]]:
     return {m: {"replicas": a.replicas, "tp": a.tp, "share": a.share}
             for m, a in allocation.items()}
@@ -339,9 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"{QUICK_ALLOCATIONS} allocations, {len(QUICK_FRACTIONS)} rates each, "
                          "shorter windows: a smoke run (its errors are indicative)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workflows", nargs="*", choices=[c.workflow for c in _cases()],
+                    help="only these workflows (default: all three)")
+    ap.add_argument("--profiles-from", type=Path,
+                    help="an earlier run's alp_accuracy.json: reuse its profile points for the "
+                         "keys it holds (same mode: the same seeded result), profile the rest")
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    cases = _cases()
+    cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
+    reused = _reused_points(args.profiles_from)
     fractions = QUICK_FRACTIONS if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
     precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
     latency_se = LATENCY_SE_QUICK if args.quick else LATENCY_SE
@@ -352,9 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         phase_s = {"trace": time.perf_counter() - started}
         jobs = [job for case, (stats, info) in zip(cases, traced, strict=True)
                 for job in _profile_jobs(case, stats, info, args.quick)]
+        done = {j: reused[_job_key(job)] for j, job in enumerate(jobs)
+                if _job_key(job) in reused}
         # Longest first, so the pool does not end on one long job.
-        order = sorted(range(len(jobs)), key=lambda j: -jobs[j].case.profile_calls)
-        done = dict(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
+        order = sorted((j for j in range(len(jobs)) if j not in done),
+                       key=lambda j: -jobs[j].case.profile_calls)
+        done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
         profiled = [done[j] for j in range(len(jobs))]
         books = {c.workflow: ProfileBook(p for job, pts in zip(jobs, profiled, strict=True)
                                          if job.case.workflow == c.workflow for p in pts)
@@ -383,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         simulated = list(pool.map(_evaluate, evals, chunksize=1))
         phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
     report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
+                              "profiles_reused_from": str(args.profiles_from or ""),
                               "targets": TARGETS, "workflows": {}, "summary": {}}
     for case, (stats, trace_info) in zip(cases, traced, strict=True):
         pipe, book = pipes[case.workflow], books[case.workflow]
@@ -444,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "latency_error_max_without_pooling": max(paper_errors, default=float("nan")),
             "allocations": len(case.allocations),
         }
-    report["profile_points"] = [asdict(p) for pts in profiled for p in pts]
+    report["profile_points"] = [{"workflow": job.case.workflow, **asdict(p)}
+                                for job, pts in zip(jobs, profiled, strict=True) for p in pts]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     report["phase_s"] = {k: round(v, 1) for k, v in phase_s.items()}
     args.out.mkdir(parents=True, exist_ok=True)
