@@ -12,7 +12,7 @@ from optimizer.alp import (
     ModelAlloc,
     Pipeline,
     Stage,
-    interference,
+    POOLING_EXPONENT,
     pooling_factor,
     predict,
     predict_many,
@@ -92,39 +92,50 @@ def test_batch_agrees_with_single() -> None:
         assert bool(batch.scaled[i, 0]) == (one.stages[0].scaled_from is not None)
 
 
-def test_pooling_shrinks_only_the_queueing_above_the_interference_line() -> None:
+def test_pooling_shrinks_the_excess_over_light_load_by_a_fraction_of_the_queue_ratio() -> None:
     book = _book()
-    one = {"gen": ModelAlloc(replicas=1), "ver": ModelAlloc(replicas=1)}
-    two = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
+    pipe = Pipeline("chat", (Stage("gen", n=1.0, p=1.0),))
+    one, two = {"gen": ModelAlloc(replicas=1)}, {"gen": ModelAlloc(replicas=2)}
     # one replica: pooling changes nothing
-    assert predict(PIPE, book, one, 1.5).latency == pytest.approx(
-        predict(PIPE, book, one, 1.5, pooling=False).latency)
-    pooled = predict(PIPE, book, two, 3.0).stages[0]
-    separate = predict(PIPE, book, two, 3.0, pooling=False).stages[0]
-    # interference: the least-squares line through the M/M/1 points at up to half of mu
-    rates = np.array([1.0, 3.0, 5.0])
-    slope, intercept = np.polyfit(rates, 1.0 / (MU - rates), 1)
-    line = intercept + slope * 6.0  # 3 requests/s x 4 calls / 2 replicas
+    assert predict(pipe, book, one, 6.0).latency == pytest.approx(
+        predict(pipe, book, one, 6.0, pooling=False).latency)
+    pooled = predict(pipe, book, two, 12.0).stages[0]
+    separate = predict(pipe, book, two, 12.0, pooling=False).stages[0]
+    light = 1.0 / (MU - 1.0)  # the M/M/1 profile's lightest point (1 call/s)
     rho = 6.0 / MU
     factor = pooling_factor(rho, 2)
     assert factor == pytest.approx(rho ** (6**0.5 - 2) / 2)
-    assert interference(book.lookup("gen", 1, 1.0), 6.0) == pytest.approx(line)
-    assert pooled.call_latency == pytest.approx(line + (separate.call_latency - line) * factor)
-    assert line < pooled.call_latency < separate.call_latency
+    assert pooled.call_latency == pytest.approx(
+        light + (separate.call_latency - light) * factor**POOLING_EXPONENT)
+    # far less than a shared FCFS queue would gain, and never below light load
+    assert light + (separate.call_latency - light) * factor < pooled.call_latency
+    assert pooled.call_latency < separate.call_latency
     assert pooled.capacity == separate.capacity
 
 
-def test_interference_alone_does_not_pool() -> None:
-    # A replica whose latency only grows linearly with its own rate (other calls' prefills
-    # and a bigger batch in each step) is no faster for having peers behind the router.
-    points = [ProfilePoint("gen", "emulator", "H100", 1, 1.0, lam, lam, 0.5 + 0.05 * lam,
-                           0.5, 0.9, 1.2, 0.01, 1000) for lam in (1.0, 3.0, 5.0, 7.0, 9.0)]
+def test_calls_that_follow_their_prefix_do_not_pool() -> None:
+    # A stage with n calls per request: only the first is placed freely by the router; the
+    # rest follow the request's prompt prefix to its replica, so 1/n of the gain remains.
+    book = _book()
+    sticky = Pipeline("loop", (Stage("gen", n=4.0, p=1.0),))
+    free = Pipeline("chat", (Stage("gen", n=1.0, p=1.0),))
+    two = {"gen": ModelAlloc(replicas=2)}
+    # both at 6 calls/s per replica
+    separate = predict(sticky, book, two, 3.0, pooling=False).stages[0].call_latency
+    gain_free = separate - predict(free, book, two, 12.0).stages[0].call_latency
+    gain_sticky = separate - predict(sticky, book, two, 3.0).stages[0].call_latency
+    assert gain_free > 0
+    assert gain_sticky == pytest.approx(gain_free / 4.0)
+
+
+def test_a_flat_profile_does_not_pool() -> None:
+    # A replica whose latency does not grow with its rate has nothing for peers to absorb.
+    points = [ProfilePoint("gen", "emulator", "H100", 1, 1.0, lam, lam, 0.5, 0.5, 0.9, 1.2,
+                           0.01, 1000) for lam in (1.0, 3.0, 5.0, 7.0, 9.0)]
     book = ProfileBook(points)
     pipe = Pipeline("chat", (Stage("gen", n=1.0, p=1.0),))
     alloc = {"gen": ModelAlloc(replicas=3)}
-    pooled = predict(pipe, book, alloc, 24.0)
-    assert pooled.latency == pytest.approx(predict(pipe, book, alloc, 24.0, pooling=False).latency)
-    assert pooled.latency == pytest.approx(0.5 + 0.05 * 8.0)
+    assert predict(pipe, book, alloc, 24.0).latency == pytest.approx(0.5)
 
 
 def test_batch_shape_is_checked() -> None:
