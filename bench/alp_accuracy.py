@@ -53,7 +53,10 @@ import numpy as np
 import orjson
 
 from bench.sim_profile import (
+    FOLLOW_Z,
+    PROFILE_MAX_SCALE,
     PROFILE_REQUESTS,
+    RECHECK_SCALE,
     REFINE,
     Case,
     ProfileJob,
@@ -319,7 +322,10 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                        start_rate=0.5 * share * trace["calls_per_busy_s"][model],
                        min_requests=PROFILE_REQUESTS,
                        latency_se=0.0 if quick else LATENCY_SE,
-                       parallel=stats.models[model].p_agg)
+                       parallel=stats.models[model].p_agg,
+                       # the quick run keeps one recheck of a marginal overload (3 minutes)
+                       follow_z=None if quick else FOLLOW_Z,
+                       max_scale=RECHECK_SCALE if quick else PROFILE_MAX_SCALE)
             for model, tp, share in keys]
 
 

@@ -52,6 +52,17 @@ REFINE = (0.2, 0.4, 0.6, 0.8, 0.9)  # fractions of the saturation estimate
 # on one generator kept up at 1.5 req/s (58.7 calls/s) over 1200 requests.
 MARGINAL_SHORTFALL = 0.15
 RECHECK_SCALE = 2.0
+# Profiles can go further (``ProfileJob.follow_z``, the accuracy bench's full run): a verdict
+# within FOLLOW_Z standard errors of the tolerance, either side, is measured again over
+# RECHECK_SCALE times the window, up to PROFILE_MAX_SCALE times it. The standard error is that of the pile: the swing of the
+# model's in-flight calls over the window (sampled at FOLLOW_SAMPLES times), at both of its
+# ends, in the pile's units (x n/p per request). Measured (simulated): beam's 1B generator at
+# nominal 62-87 calls/s read shortfalls of 6-12% and 1% in turn over 300-request windows
+# (in-flight swings of ~20 calls, ~4% of a window's requests once x n/p), and the profile
+# capped at 75.9 calls/s while one replica in the allocations sustained ~88.
+FOLLOW_Z = 2.0
+FOLLOW_SAMPLES = 41
+PROFILE_MAX_SCALE = 4.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,10 @@ class ProfileJob:
     # calls of the model a request runs at once (stats' p); None: judge calls alone, as if
     # every call were independent
     parallel: float | None = None
+    # re-measure a verdict within this many standard errors of the tolerance (``uncertain``),
+    # over longer windows up to ``max_scale`` x; None: only a marginal overload, once
+    follow_z: float | None = None
+    max_scale: float = RECHECK_SCALE
 
 
 def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:
@@ -150,8 +165,27 @@ def bracket(probe: Callable[[float], bool], start: float, factor: float, precisi
     return lo, hi
 
 
-def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
-           ) -> tuple[ProfilePoint, float]:
+@dataclass(frozen=True)
+class Reading:
+    """One measured point, with the standard errors that say how far to trust it."""
+
+    point: ProfilePoint
+    latency_rel_se: float  # batch-means standard error of the mean latency, relative to it
+    # standard error of the shortfall (1 - throughput / offered) the keep-up test reads;
+    # nan where the measurement cannot tell (the recheck then falls back to ``marginal``)
+    follow_se: float = math.nan
+
+
+def _inflight_swing(mine: Sequence[SimCall], lo: float, hi: float) -> float:
+    """Standard deviation of the model's calls in flight, sampled across ``[lo, hi]``."""
+    starts = np.sort(np.array([c.t_start for c in mine]))
+    ends = np.sort(np.array([c.t_end for c in mine]))
+    grid = np.linspace(lo, hi, FOLLOW_SAMPLES)
+    inflight = np.searchsorted(starts, grid, "right") - np.searchsorted(ends, grid, "right")
+    return float(np.std(inflight, ddof=1))
+
+
+def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0) -> Reading:
     """One rate: ``colocated(share)`` replicas on one GPU, each offered ``call_rate``, behind
     the simulator's default router (as an allocation's replicas are: prefix locality is lost
     the same way; the queueing is pooled over the co-located copies, which the pipeline's
@@ -178,9 +212,12 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
     p50, p90, p99 = np.percentile(lat, [50, 90, 99])
     # calls piled up at this model per call sent, then per request arriving (see above)
     pile = max(0.0, 1.0 - finished / max(len(started), 1))
-    if job.parallel is not None:
-        pile *= job.n_per_request / max(job.parallel, 1.0)
-    pile = min(pile, 0.99)
+    per_request = job.n_per_request / max(job.parallel, 1.0) if job.parallel is not None else 1.0
+    pile = min(pile * per_request, 0.99)
+    # the pile is the change of calls in flight over the window: its noise is their swing
+    # at both ends, in the same units
+    pile_se = (math.sqrt(2.0) * _inflight_swing(mine, warmup, end) / max(len(started), 1)
+               * per_request) if len(mine) > 1 else math.nan
     point = ProfilePoint(
         model=job.model, engine=ENGINE, gpu_type=case.gpu, tp=job.tp, share=job.share,
         # offered: the calls the workflow actually submitted in the window (bursty workflows
@@ -194,10 +231,10 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0
     )
     se = float(np.std([b.mean() for b in np.array_split(lat, 10)], ddof=1) / math.sqrt(10)
                ) if len(lat) >= 20 else math.inf
-    return point, se / max(point.lat_mean, 1e-12)
+    return Reading(point, se / max(point.lat_mean, 1e-12), pile_se)
 
 
-Measure = Callable[[ProfileJob, float, int, float], tuple[ProfilePoint, float]]
+Measure = Callable[[ProfileJob, float, int, float], Reading]
 
 
 def marginal(offered: float, achieved: float) -> bool:
@@ -205,30 +242,51 @@ def marginal(offered: float, achieved: float) -> bool:
     return not keeps_up(offered, achieved) and achieved >= (1.0 - MARGINAL_SHORTFALL) * offered
 
 
-def decide(run: Callable[[float], tuple[bool, bool]]) -> bool:
-    """Kept up? ``run(scale)`` measures over ``scale`` x the window and says (kept up,
-    marginal); a marginal verdict is replaced by one over ``RECHECK_SCALE`` x the window."""
-    ok, close = run(1.0)
-    if close:
-        ok, _ = run(RECHECK_SCALE)
+def uncertain(reading: Reading, z: float | None = FOLLOW_Z) -> bool:
+    """A verdict the point's own noise could flip: its shortfall lies within ``z`` standard
+    errors of the tolerance, either side (``z`` None, or no standard error: ``marginal``)."""
+    p = reading.point
+    if z is None or not math.isfinite(reading.follow_se):
+        return marginal(p.offered_rate, p.throughput)
+    shortfall = 1.0 - p.throughput / max(p.offered_rate, 1e-12)
+    return abs(shortfall - FOLLOW_TOLERANCE) < z * reading.follow_se
+
+
+def decide(run: Callable[[float], tuple[bool, bool]], max_scale: float = RECHECK_SCALE) -> bool:
+    """Kept up? ``run(scale)`` measures over ``scale`` x the window and says (kept up, worth
+    measuring again); such a verdict is replaced by one over ``RECHECK_SCALE`` x the window,
+    and so on up to ``max_scale`` x it (by default: once)."""
+    scale = 1.0
+    ok, again = run(scale)
+    while again and scale * RECHECK_SCALE <= max_scale + 1e-9:
+        scale *= RECHECK_SCALE
+        ok, again = run(scale)
     return ok
 
 
 def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[ProfilePoint]:
     """Double the rate from light load until the replica stops keeping up, bisect to
     ``job.precision``, then add points below the saturation estimate for the latency curve.
-    A marginally overloaded probe is re-measured over a longer window, which decides (both
-    points are kept). ``measure``: the point measurement (default: the simulator)."""
+    A probe whose verdict its noise could flip (``uncertain``) is re-measured over longer
+    windows, up to ``job.max_scale``; the longest reading decides and is the one kept (a
+    superseded short window would cap or inflate the profile). ``measure``: the point
+    measurement (default: the simulator)."""
     point = measure or _point
     points: list[ProfilePoint] = []
+    seeds = iter(range(1000, 2000))
 
     def probe(rate: float) -> bool:
-        def run(scale: float) -> tuple[bool, bool]:
-            p, _ = point(job, rate, 1000 + len(points), scale)
-            points.append(p)
-            return keeps_up(p.offered_rate, p.throughput), marginal(p.offered_rate, p.throughput)
+        readings: list[Reading] = []
 
-        return decide(run)
+        def run(scale: float) -> tuple[bool, bool]:
+            r = point(job, rate, next(seeds), scale)
+            readings.append(r)
+            return (keeps_up(r.point.offered_rate, r.point.throughput),
+                    uncertain(r, job.follow_z))
+
+        ok = decide(run, job.max_scale)
+        points.append(readings[-1].point)
+        return ok
 
     bracket(probe, job.start_rate, 2.0, job.precision, job.max_doublings)
     kept = [p.throughput for p in points if keeps_up(p.offered_rate, p.throughput)]
@@ -238,9 +296,10 @@ def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[Profile
         if any(abs(p.offered_rate - target) < 0.05 * target for p in points):
             continue
         scale = 1.0
-        refined, rel_se = point(job, target, 2000 + k, scale)
-        while job.latency_se > 0 and rel_se > job.latency_se and scale < 8:
-            scale = min(8.0, max(2 * scale, scale * 1.3 * (rel_se / job.latency_se) ** 2))
-            refined, rel_se = point(job, target, 2000 + k, scale)
-        points.append(refined)
+        refined = point(job, target, 2000 + k, scale)
+        while (job.latency_se > 0 and refined.latency_rel_se > job.latency_se and scale < 8):
+            scale = min(8.0, max(2 * scale,
+                                 scale * 1.3 * (refined.latency_rel_se / job.latency_se) ** 2))
+            refined = point(job, target, 2000 + k, scale)
+        points.append(refined.point)
     return sorted(points, key=lambda p: p.offered_rate)

@@ -6,15 +6,18 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from bench.sim_profile import (
+    FOLLOW_Z,
     RECHECK_SCALE,
     Case,
     Measure,
     ProfileJob,
+    Reading,
     _point,
     decide,
     keeps_up,
     marginal,
     run_profile,
+    uncertain,
 )
 from optimizer.profiles import Profile, ProfilePoint
 from sim.workflows import BeamParams
@@ -27,12 +30,15 @@ def test_a_dependency_bound_workflow_falling_behind_is_not_keeping_up() -> None:
     case = Case("beam", BeamParams(max_iterations=6), "a6000", 0.0, 0, 0)
     job = ProfileJob(case, "llama-3.1-8b-prm", 1, 1.0, n_per_request=23.1, target_calls=100,
                      start_rate=1.0, min_requests=150, parallel=3.0)
-    light, _ = _point(job, 50.0, seed=1)
+    light = _point(job, 50.0, seed=1).point
     assert keeps_up(light.offered_rate, light.throughput)
-    over, _ = _point(job, 64.7, seed=1)
+    reading = _point(job, 64.7, seed=1)
+    over = reading.point
     assert not keeps_up(over.offered_rate, over.throughput)
+    # the pile's noise is known, and this overload is clear of it
+    assert 0 < reading.follow_se < (1 - over.throughput / over.offered_rate - 0.05) / FOLLOW_Z
     calls_alone = replace(job, parallel=None)  # every call judged as if independent
-    over, _ = _point(calls_alone, 64.7, seed=1)
+    over = _point(calls_alone, 64.7, seed=1).point
     assert keeps_up(over.offered_rate, over.throughput)
 
 
@@ -40,16 +46,15 @@ def _fake_measure(true_capacity: float, short_noise_from: float) -> Measure:
     """A replica that sustains ``true_capacity`` calls/s; a one-scale window above
     ``short_noise_from`` reads 8% short (an in-flight swing), a longer window reads true."""
 
-    def measure(job: ProfileJob, rate: float, seed: int, scale: float
-                ) -> tuple[ProfilePoint, float]:
+    def measure(job: ProfileJob, rate: float, seed: int, scale: float) -> Reading:
         if rate > true_capacity:
             achieved = 0.8 * rate
         elif scale == 1.0 and rate > short_noise_from:
             achieved = 0.92 * rate
         else:
             achieved = rate
-        return ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
-                            1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0
+        return Reading(ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate,
+                                    achieved, 1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0)
 
     return measure
 
@@ -82,3 +87,56 @@ def test_decide_asks_a_longer_window_only_when_marginal() -> None:
     asked.clear()
     assert not decide(run({1.0: (False, False)}))  # a clear overload is not run again
     assert asked == [1.0]
+
+
+def _noisy_measure(true_capacity: float, asked: list[tuple[float, float]]) -> Measure:
+    """A replica that sustains ``true_capacity`` calls/s, whose readings near it swing: the
+    shortfall's standard error is 0.06 / scale, and a one-scale window reads the verdict
+    wrong within 15% of capacity (an over-read below it, an under-read above)."""
+
+    def measure(job: ProfileJob, rate: float, seed: int, scale: float) -> Reading:
+        asked.append((rate, scale))
+        near = abs(rate / true_capacity - 1.0) < 0.15
+        if rate > true_capacity:
+            achieved = rate if near and scale == 1.0 else 0.85 * rate
+        else:
+            achieved = 0.9 * rate if near and scale == 1.0 else rate
+        point = ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
+                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        return Reading(point, 0.0, 0.06 / scale)
+
+    return measure
+
+
+def test_a_verdict_within_its_noise_is_measured_again_either_way() -> None:
+    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
+                     start_rate=5.0, precision=0.02, refine=(), follow_z=FOLLOW_Z, max_scale=4.0)
+    asked: list[tuple[float, float]] = []
+    points = run_profile(job, _noisy_measure(60.0, asked))
+    profile = Profile.from_points(points)
+    # neither the short windows' false overloads below 60 nor their false keeping-up above
+    # it move the saturation
+    assert 0.98 * 60.0 <= profile.saturation <= 60.0 * 1.001
+    # rechecked up to 4x, and only the deciding reading of each probe is kept
+    assert {scale for _, scale in asked} == {1.0, 2.0, 4.0}
+    assert len(points) == sum(1 for _, scale in asked if scale == 1.0)
+    without = run_profile(replace(job, follow_z=None, max_scale=RECHECK_SCALE),
+                          _noisy_measure(60.0, []))
+    # the old rule rechecks only a marginal overload: a false keep-up above 60 stands
+    assert Profile.from_points(without).saturation > 60.0 * 1.01
+
+
+def test_uncertain_reads_the_noise_either_side_of_the_tolerance() -> None:
+    def reading(shortfall: float, se: float) -> Reading:
+        return Reading(ProfilePoint("m", "fake", "a6000", 1, 1.0, 100.0, 100.0 * (1 - shortfall),
+                                    1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0, se)
+
+    assert uncertain(reading(0.0, 0.03))  # kept up, but 0.05 is within 2 x 0.03
+    assert not uncertain(reading(0.0, 0.02))
+    assert uncertain(reading(0.10, 0.03))  # overloaded, within the noise
+    assert not uncertain(reading(0.20, 0.03))
+    # without a standard error (or a z), only a marginal overload is rechecked
+    assert not uncertain(reading(0.0, float("nan")))
+    assert uncertain(reading(0.10, float("nan")))
+    assert not uncertain(reading(0.0, 0.03), z=None)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from optimizer.alp import (
+    POOLING_EXPONENT,
     ModelAlloc,
     Pipeline,
     Stage,
-    POOLING_EXPONENT,
     pooling_factor,
     predict,
     predict_many,
