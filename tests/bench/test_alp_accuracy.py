@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from pathlib import Path
+
 import numpy as np
+import orjson
 import pytest
 
 from bench.alp_accuracy import (
@@ -10,10 +14,12 @@ from bench.alp_accuracy import (
     CAP_MIN_REQUESTS_QUICK,
     QUICK_ALLOCATIONS,
     _cases,
+    _reused_points,
     mean_and_se,
     quick_cases,
     simulated_capacity,
 )
+from optimizer.profiles import ProfilePoint
 
 
 def test_mean_and_se_batch_means() -> None:
@@ -44,3 +50,22 @@ def test_simulated_capacity_is_what_was_completed_not_the_rate_offered() -> None
     # a standing backlog that completes more than any probe that kept up counts
     assert simulated_capacity(probes, backlog=10.4) == pytest.approx(10.4)
     assert simulated_capacity([(5.0, False, 4.0)], backlog=4.5) == pytest.approx(4.5)
+
+
+def test_reused_profile_points_are_keyed_by_workflow(tmp_path: Path) -> None:
+    # The same model is profiled under each workflow's own call mix: an earlier run's points
+    # come back under (workflow, model, tp, share), never mixed across workflows.
+    def point(share: float, rate: float) -> ProfilePoint:
+        return ProfilePoint("llama-3.2-1b", "sim-engine", "a6000", 1, share, rate, rate,
+                            1.0, 1.0, 1.0, 1.0, 0.1, 100)
+
+    doc = {"profile_points": [{"workflow": "beam", **asdict(point(1.0, 5.0))},
+                              {"workflow": "fanout", **asdict(point(1.0, 7.0))},
+                              {"workflow": "fanout", **asdict(point(0.5, 3.0))}]}
+    path = tmp_path / "alp_accuracy.json"
+    path.write_bytes(orjson.dumps(doc))
+    reused = _reused_points(path)
+    assert reused[("beam", "llama-3.2-1b", 1, 1.0)] == [point(1.0, 5.0)]
+    assert reused[("fanout", "llama-3.2-1b", 1, 1.0)] == [point(1.0, 7.0)]
+    assert reused[("fanout", "llama-3.2-1b", 1, 0.5)] == [point(0.5, 3.0)]
+    assert _reused_points(None) == {}
