@@ -332,8 +332,12 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
 ProfileJobKey = tuple[str, str, int, float]  # workflow, model, TP, share
 
 
+def _profile_key(workflow: str, model: str, tp: int, share: float) -> ProfileJobKey:
+    return workflow, model, tp, round(share, 6)
+
+
 def _job_key(job: ProfileJob) -> ProfileJobKey:
-    return job.case.workflow, job.model, job.tp, round(job.share, 6)
+    return _profile_key(job.case.workflow, job.model, job.tp, job.share)
 
 
 def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]:
@@ -345,7 +349,7 @@ def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]
     for doc in orjson.loads(path.read_bytes())["profile_points"]:
         workflow = doc.pop("workflow")
         p = ProfilePoint(**doc)
-        out.setdefault((workflow, p.model, p.tp, round(p.share, 6)), []).append(p)
+        out.setdefault(_profile_key(workflow, p.model, p.tp, p.share), []).append(p)
     return out
 
 

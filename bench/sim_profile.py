@@ -21,6 +21,7 @@ here is *simulated*.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,9 +55,9 @@ MARGINAL_SHORTFALL = 0.15
 RECHECK_SCALE = 2.0
 # Profiles can go further (``ProfileJob.follow_z``, the accuracy bench's full run): a verdict
 # within FOLLOW_Z standard errors of the tolerance, either side, is measured again over
-# RECHECK_SCALE times the window, up to PROFILE_MAX_SCALE times it. The standard error is that of the pile: the swing of the
-# model's in-flight calls over the window (sampled at FOLLOW_SAMPLES times), at both of its
-# ends, in the pile's units (x n/p per request). Measured (simulated): beam's 1B generator at
+# RECHECK_SCALE times the window, up to PROFILE_MAX_SCALE times it. The standard error is
+# that of the pile: the swing of the model's in-flight calls over the window (sampled at
+# FOLLOW_SAMPLES times), at both of its ends, in the pile's units (x n/p per request). Measured (simulated): beam's 1B generator at
 # nominal 62-87 calls/s read shortfalls of 6-12% and 1% in turn over 300-request windows
 # (in-flight swings of ~20 calls, ~4% of a window's requests once x n/p), and the profile
 # capped at 75.9 calls/s while one replica in the allocations sustained ~88.
@@ -273,7 +274,7 @@ def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[Profile
     measurement (default: the simulator)."""
     point = measure or _point
     points: list[ProfilePoint] = []
-    seeds = iter(range(1000, 2000))
+    seeds = itertools.count(1000)
 
     def probe(rate: float) -> bool:
         readings: list[Reading] = []
@@ -297,7 +298,7 @@ def run_profile(job: ProfileJob, measure: Measure | None = None) -> list[Profile
             continue
         scale = 1.0
         refined = point(job, target, 2000 + k, scale)
-        while (job.latency_se > 0 and refined.latency_rel_se > job.latency_se and scale < 8):
+        while job.latency_se > 0 and refined.latency_rel_se > job.latency_se and scale < 8:
             scale = min(8.0, max(2 * scale,
                                  scale * 1.3 * (refined.latency_rel_se / job.latency_se) ** 2))
             refined = point(job, target, 2000 + k, scale)
