@@ -17,16 +17,18 @@ Per workflow (beam search, RAG, a fan-out across two different LLMs):
    from ``T_w``, then bisected; a marginal shortfall is judged again over a window twice as
    long) or under a standing backlog just past them (``CAP_BACKLOG``).
 
-Measurement precision: a mean latency near capacity converges slowly (at 80% load one
-RAG replica's 300-request means spread 4-7 s around a 5.9 s steady state), so each latency
-run grows (same seed, same first arrivals) until the batch-means standard error of its mean
-is below ``LATENCY_SE`` (or a cap); the JSON carries each figure's standard error. Keeping up
-compares completions with arrivals over a window that starts after a warm-up of 40% of its
-length (near capacity a batching engine's in-flight count climbs for minutes) and holds at
-least ``CAP_MIN_REQUESTS`` requests (``--quick``: ``CAP_MIN_REQUESTS_QUICK``, a smoke run
-whose errors are indicative). A least-squares
-trend of requests in the system was tried instead and was worse: a beam window of 400
-requests holds only a few independent swings of 15-50 requests in flight, and the trend
+Measurement precision (``bench.alp_truth``, the ground truth): a mean latency near capacity
+converges slowly (at 80% load one RAG replica's 300-request means spread 4-7 s around a 5.9 s
+steady state), so each latency run grows (same seed, same first arrivals) until the
+batch-means standard error of its mean is below ``LATENCY_SE`` and, in the full run, until its
+warm-up and window hold enough of its own mean latencies; the JSON carries each figure's
+standard error. Keeping up compares completions with arrivals over a window that starts after
+a warm-up of 40% of its length and holds at least ``CAP_MIN_REQUESTS`` requests (``--quick``:
+``CAP_MIN_REQUESTS_QUICK``, a smoke run whose errors are indicative); in the full run an
+overloaded verdict from a window short for its own request latency is measured again over a
+longer one (near capacity a batching engine's in-flight count climbs for many latencies). A
+least-squares trend of requests in the system was tried instead and was worse: a beam window
+of 400 requests holds only a few independent swings of 15-50 requests in flight, and the trend
 followed one (2 x 2 replicas at 1.6 requests/s read 8% growth while 1,500-request runs at
 2.3 requests/s stayed finite).
 
@@ -38,20 +40,27 @@ Errors are relative to the simulation. Summary per workflow: ``throughput_error_
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
+from bench.alp_truth import (
+    CAP_PRECISION,
+    CAP_PRECISION_QUICK,
+    LATENCY_SE,
+    LATENCY_SE_QUICK,
+    EvalJob,
+    evaluate,
+    sim_allocation,
+)
 from bench.sim_profile import (
     FOLLOW_Z,
     PROFILE_MAX_SCALE,
@@ -60,41 +69,18 @@ from bench.sim_profile import (
     REFINE,
     Case,
     ProfileJob,
-    bracket,
     calls_to_rows,
-    decide,
-    keeps_up,
-    marginal,
     run_profile,
 )
 from optimizer.alp import ModelAlloc, Pipeline, predict
 from optimizer.profiles import ProfileBook, ProfilePoint
 from optimizer.stats import WorkflowStats, summarise_store
 from shared.store import SegmentWriter
-from sim.cluster import Allocation, ReplicaSpec
-from sim.des import WorkloadSpec, simulate, simulate_requests
+from sim.des import WorkloadSpec, simulate
 from sim.workflows import BeamParams, FanoutParams, RagParams
 
 GPU = "a6000"
 LATENCY_LOAD_MAX = 0.8
-# Max throughput: the largest workflow rate the allocation keeps up with (completions within
-# 5% of arrivals over a long window), bracketed around the prediction by steps of CAP_STEP
-# and bisected to CAP_PRECISION. A single overloaded run would not do: latency in overload
-# is the running batch over the throughput (~40 s for RAG on one A6000), longer than a short
-# window, and a prefix-sharing workflow's throughput sinks in sustained overload as its
-# prefix cache thrashes (hit rate 0.78 -> 0.53 for beam's verifier).
-CAP_STEP, CAP_PRECISION, CAP_PRECISION_QUICK = 1.1, 0.03, 0.1
-CAP_WARMUP = 0.4  # of the measured window, run before it
-# The simulated max throughput is the most the allocation completed per second: over a probe
-# that kept up (its completions, not its nominal rate: the 5% tolerance would otherwise let a
-# rate up to 5% past capacity count), or under a standing backlog at CAP_BACKLOG x the
-# smallest overloaded rate. Near capacity (rho > 0.9) the queue's random walk outlasts any
-# affordable window: RAG 2x0.5 encoders + 2 generators at 11.6 req/s read 8.2-10.4 completions
-# per second over 1400 requests (the last quarter's latency 21 s) yet 11.9-12.0 over 4000, and
-# a backlog at 14 req/s completed 12.4-12.6 per second (ALP: 12.2). A backlogged beam search
-# thrashes its prefix caches and completes less (1x1 at 1.7 req/s: 1.15-1.38 per second,
-# while it kept up at 1.5 over 1200 requests), hence the larger of the two.
-CAP_BACKLOG = 1.25
 # Workflow requests a capacity window holds at least, quick runs too: near capacity the
 # in-flight count swings by a few percent of a short window's arrivals, so a 5% shortfall
 # test misjudges. Measured (simulated): RAG with 3 generator replicas was judged overloaded at
@@ -109,9 +95,6 @@ CAP_MIN_REQUESTS = 1000
 # full run's request floor: with 100 requests a point's window is mostly the engine filling
 # its batch, and saturation read 40% low (llama-3.2-1b 43 calls/s against 76).
 CAP_MIN_REQUESTS_QUICK = 400
-# Latency runs grow until the standard error of the mean is below this (relative), at most
-# LATENCY_GROWTH_CAP times the case's eval_requests.
-LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
 QUICK_ALLOCATIONS = 2
 QUICK_FRACTIONS = (0.4, 0.8)
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
@@ -173,19 +156,6 @@ def _cases() -> list[Case]:
     ]
 
 
-@dataclass(frozen=True)
-class EvalJob:
-    case: Case
-    alloc_index: int
-    fraction: float  # of predicted capacity (capacity jobs: where the bracket starts)
-    kind: str  # "latency" | "capacity"
-    rate: float
-    seed: int
-    settle_s: float  # a few light-load request latencies: the pipeline's fill time
-    precision: float = CAP_PRECISION
-    latency_se: float = LATENCY_SE
-
-
 def quick_cases(cases: Sequence[Case]) -> list[Case]:
     """The ``--quick`` variant: the first ``QUICK_ALLOCATIONS`` allocations, shorter traces and
     latency runs, capacity windows of ``CAP_MIN_REQUESTS_QUICK`` requests (see there)."""
@@ -195,16 +165,11 @@ def quick_cases(cases: Sequence[Case]) -> list[Case]:
             for c in cases]
 
 
-def _sim_allocation(case: Case, alloc: Alloc) -> Allocation:
-    return Allocation(tuple(ReplicaSpec(m, case.gpu, tp, share, d)
-                            for m, (d, tp, share) in alloc.items()))
-
-
 def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
     """Stats of a light-load run, and per model the calls/s one busy-second serves (a first
     guess of capacity that ignores batching, so it errs low)."""
     generous = {m: (2, 1, 1.0) for m in case.allocations[0]}
-    result = simulate(_sim_allocation(case, generous),
+    result = simulate(sim_allocation(case, generous),
                       [WorkloadSpec(case.workflow, case.trace_rate, case.params)],  # type: ignore[arg-type]
                       n_requests=case.trace_requests, record_calls=True, seed=11)
     store = Path(tempfile.mkdtemp(prefix=f"scepsy-alp-{case.workflow}-"))
@@ -223,92 +188,6 @@ def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
                   for m, b in busy.items()}
     return stats, {"requests": sim.completed, "latency_mean_s": sim.latency.mean,
                    "calls_per_busy_s": per_busy_s}
-
-
-def _keeps_up(job: EvalJob, rate: float, scale: float = 1.0, warmup_share: float = CAP_WARMUP
-              ) -> tuple[bool, bool, float]:
-    """One long run at ``rate`` (``scale`` x the case's window): did the workflow keep up
-    (completions in the window within ``FOLLOW_TOLERANCE`` of arrivals in it), was a shortfall
-    marginal (``bench.sim_profile.marginal``), and its completions per second."""
-    case = job.case
-    spec = [WorkloadSpec(case.workflow, rate, case.params)]  # type: ignore[arg-type]
-    requests = scale * case.capacity_requests / rate
-    # near capacity the in-flight count climbs for minutes before its plateau
-    warmup = max(job.settle_s, warmup_share * requests)
-    res = simulate(_sim_allocation(case, case.allocations[job.alloc_index]), spec,
-                   duration_s=warmup + requests, warmup_s=warmup, drain_s=0.0,
-                   seed=job.seed)  # the same arrivals, scaled, at every probed rate
-    wf = res.workflows[case.workflow]
-    offered = wf.started / (res.window_s[1] - res.window_s[0])
-    return keeps_up(offered, wf.throughput), marginal(offered, wf.throughput), wf.throughput
-
-
-def mean_and_se(values: Sequence[float], batches: int = 10) -> tuple[float, float]:
-    """Mean and its batch-means standard error (values in arrival order: batches of
-    consecutive requests absorb their correlation)."""
-    a = np.asarray(values, dtype=np.float64)
-    if len(a) < 2 * batches:
-        return float(a.mean()) if len(a) else math.nan, math.inf
-    means = np.array([b.mean() for b in np.array_split(a, batches)])
-    return float(a.mean()), float(means.std(ddof=1) / math.sqrt(batches))
-
-
-def _latency_run(job: EvalJob, n: int) -> tuple[float, float, int, int]:
-    """Mean latency, its standard error, completed and failed requests of ``n`` arrivals."""
-    case = job.case
-    spec = [WorkloadSpec(case.workflow, job.rate, case.params)]  # type: ignore[arg-type]
-    warmup = max(job.settle_s, 0.1 * n / job.rate)
-    res, spans = simulate_requests(_sim_allocation(case, case.allocations[job.alloc_index]),
-                                   spec, n_requests=n, warmup_s=warmup, seed=job.seed)
-    lo, hi = res.window_s
-    measured = [s for s in spans if lo <= s.arrival < hi]
-    lat = [s.end - s.arrival for s in measured if s.end >= 0 and not s.failed]
-    mean, se = mean_and_se(lat)
-    return mean, se, len(lat), len(measured) - len(lat)
-
-
-def simulated_capacity(probes: Sequence[tuple[float, bool, float]], backlog: float) -> float:
-    """The most completed per second (``CAP_BACKLOG``'s comment): over the probes
-    ``(rate, kept up, completions/s)`` that kept up, or under the standing ``backlog``."""
-    return max([achieved for _, ok, achieved in probes if ok] + [backlog])
-
-
-def _evaluate(job: EvalJob) -> dict[str, Any]:
-    case = job.case
-    if job.kind == "capacity":
-        probes: list[tuple[float, bool, float]] = []
-
-        def probe(rate: float) -> bool:
-            def run(scale: float) -> tuple[bool, bool]:
-                ok, close, achieved = _keeps_up(job, rate, scale)
-                probes.append((rate, ok, achieved))
-                return ok, close
-
-            # as the profiles do: a longer window decides a marginal shortfall
-            return decide(run)
-
-        started = time.perf_counter()
-        lo, hi = bracket(probe, job.rate, CAP_STEP, job.precision)
-        # What a standing backlog completes: past a stable rate, not drained or refilled
-        # (a continuous-batching engine fills its batch before its completions reach their
-        # backlogged rate: RAG's generator completed 3.6 req/s over its first minute at 14)
-        _, _, backlog = _keeps_up(job, CAP_BACKLOG * (hi if math.isfinite(hi) else lo),
-                                  warmup_share=1.0)
-        return {"capacity": simulated_capacity(probes, backlog), "kept_up_at": lo,
-                "overloaded_at": hi,
-                "backlog_throughput": backlog, "probes": probes,
-                "wall_s": time.perf_counter() - started}
-    started = time.perf_counter()
-    n, cap = case.eval_requests, case.eval_requests * LATENCY_GROWTH_CAP
-    mean, se, done, failed = _latency_run(job, n)
-    # (a run shorter than its warm-up measures nothing: its mean is NaN and it grows too)
-    while not se <= job.latency_se * mean and n < cap:
-        # the standard error shrinks as 1/sqrt(n): aim a little past the target
-        grow = (se / (job.latency_se * mean)) ** 2 if math.isfinite(se) else 4.0
-        n = min(cap, max(2 * n, math.ceil(n * 1.3 * grow)))
-        mean, se, done, failed = _latency_run(job, n)
-    return {"latency_mean": mean, "latency_se": se, "requests": n, "completed": done,
-            "failed": failed, "wall_s": time.perf_counter() - started}
 
 
 def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
@@ -381,6 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fractions = QUICK_FRACTIONS if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
     precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
     latency_se = LATENCY_SE_QUICK if args.quick else LATENCY_SE
+    # the quick run keeps fixed windows (3 minutes); the full run checks them on latency
+    lengths: dict[str, Any] = ({"cap_stretches": 0, "latency_window_latencies": 0.0}
+                               if args.quick else {})
     if args.quick:
         cases = quick_cases(cases)
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
@@ -414,12 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # capacity jobs first: each is a sequence of runs, the longest jobs
                 evals.insert(0, EvalJob(case, i, 1.0, "capacity", cap.throughput,
                                         seed=100 + 10 * i, settle_s=settle_s,
-                                        precision=precision))
+                                        precision=precision, **lengths))
                 for k, f in enumerate(fractions):
                     evals.append(EvalJob(case, i, f, "latency", f * cap.throughput,
                                          seed=101 + 10 * i + k, settle_s=settle_s,
-                                         latency_se=latency_se))
-        simulated = list(pool.map(_evaluate, evals, chunksize=1))
+                                         latency_se=latency_se, **lengths))
+        simulated = list(pool.map(evaluate, evals, chunksize=1))
         phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
     report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
                               "profiles_reused_from": str(args.profiles_from or ""),

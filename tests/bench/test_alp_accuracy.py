@@ -15,10 +15,9 @@ from bench.alp_accuracy import (
     QUICK_ALLOCATIONS,
     _cases,
     _reused_points,
-    mean_and_se,
     quick_cases,
-    simulated_capacity,
 )
+from bench.alp_truth import mean_and_se, simulated_capacity
 from optimizer.profiles import ProfilePoint
 
 
