@@ -62,6 +62,7 @@ from bench.alp_truth import (
     sim_allocation,
 )
 from bench.sim_profile import (
+    FILL_LATENCIES,
     FOLLOW_Z,
     PROFILE_MAX_SCALE,
     PROFILE_REQUESTS,
@@ -204,7 +205,8 @@ def _profile_jobs(case: Case, stats: WorkflowStats, trace: dict[str, Any],
                        parallel=stats.models[model].p_agg,
                        # the quick run keeps one recheck of a marginal overload (3 minutes)
                        follow_z=None if quick else FOLLOW_Z,
-                       max_scale=RECHECK_SCALE if quick else PROFILE_MAX_SCALE)
+                       max_scale=RECHECK_SCALE if quick else PROFILE_MAX_SCALE,
+                       fill_latencies=0.0 if quick else FILL_LATENCIES)
             for model, tp, share in keys]
 
 

@@ -1,11 +1,14 @@
-"""Profiling by simulation: saturation of a dependency-bound workflow's model, rechecks."""
+"""Profiling by simulation: saturation of a dependency-bound workflow's model, rechecks
+(noise, and the workflow's fill)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
 from bench.sim_profile import (
+    FILL_LATENCIES,
     FOLLOW_Z,
     RECHECK_SCALE,
     Case,
@@ -16,6 +19,7 @@ from bench.sim_profile import (
     decide,
     keeps_up,
     marginal,
+    refill_scale,
     run_profile,
     uncertain,
 )
@@ -140,3 +144,51 @@ def test_uncertain_reads_the_noise_either_side_of_the_tolerance() -> None:
     assert not uncertain(reading(0.0, float("nan")))
     assert uncertain(reading(0.10, float("nan")))
     assert not uncertain(reading(0.0, 0.03), z=None)
+
+
+def _filling_measure(true_capacity: float, fill_s: float, asked: list[float]) -> Measure:
+    """A replica that sustains ``true_capacity`` calls/s, whose workflow's requests take
+    ``fill_s`` to fill their in-flight count: a window after a warm-up of ``w`` reads the
+    fill still to come, ``exp(-w / fill_s) x fill_s / window`` of its calls, as a pile (a
+    bias that no swing explains: its standard error is small)."""
+
+    def measure(job: ProfileJob, rate: float, seed: int, scale: float) -> Reading:
+        asked.append(scale)
+        window, warmup = 100.0 * scale, 20.0 * scale
+        pile = math.exp(-warmup / fill_s) * fill_s / window
+        achieved = rate * (1.0 - pile) if rate <= true_capacity else 0.7 * rate
+        point = ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
+                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        return Reading(point, 0.0, 0.005, scale, warmup, window, fill_s)
+
+    return measure
+
+
+def test_an_overload_the_workflows_fill_explains_is_measured_with_a_longer_warmup() -> None:
+    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
+                     start_rate=5.0, precision=0.02, refine=(), follow_z=FOLLOW_Z,
+                     max_scale=4.0, fill_latencies=FILL_LATENCIES)
+    asked: list[float] = []
+    # a 40 s fill reads 6% short after the one-scale 20 s warm-up: every rate looks overloaded
+    points = run_profile(job, _filling_measure(60.0, 40.0, asked))
+    assert 0.98 * 60.0 <= Profile.from_points(points).saturation <= 60.0 * 1.001
+    assert max(asked) == FILL_LATENCIES * 40.0 / 20.0
+    without = run_profile(replace(job, fill_latencies=0.0), _filling_measure(60.0, 40.0, []))
+    assert Profile.from_points(without).saturation < 0.5 * 60.0
+
+
+def test_refill_stands_for_a_backlog() -> None:
+    def reading(shortfall: float, scale: float = 1.0, fill_s: float = 40.0) -> Reading:
+        point = ProfilePoint("m", "fake", "a6000", 1, 1.0, 100.0, 100.0 * (1 - shortfall),
+                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        return Reading(point, 0.0, 0.005, scale, 20.0 * scale, 100.0 * scale, fill_s)
+
+    assert refill_scale(reading(0.2), 3.0) == 6.0
+    assert refill_scale(reading(0.2), 0.0) is None  # off
+    assert refill_scale(reading(0.02), 3.0) is None  # kept up
+    assert refill_scale(reading(0.5), 3.0) is None  # more than a 40 s fill piles in 100 s
+    assert refill_scale(reading(0.2, scale=6.0), 3.0) is None  # warm-up long enough already
+    # a longer run that fell further behind: a backlog
+    assert refill_scale(reading(0.25, scale=2.0), 3.0, previous=reading(0.2)) is None
+    assert refill_scale(reading(0.1, scale=2.0), 3.0, previous=reading(0.2)) == 6.0
