@@ -1,6 +1,7 @@
 """Benchmark: Aggregate LLM Pipeline predictions against the discrete-event simulator.
 
-``python -m bench.alp_accuracy --out DIR [--quick]`` writes ``DIR/alp_accuracy.json``. All
+``python -m bench.alp_accuracy --out DIR [--quick]`` writes ``DIR/alp_accuracy.json`` (and,
+as soon as profiling ends, ``DIR/profiles.json`` for ``--profiles-from``). All
 measured figures are *simulated* (``sim.des``, the same engine model for profiles and runs).
 
 Per workflow (beam search, RAG, a fan-out across two different LLMs):
@@ -99,6 +100,7 @@ CAP_MIN_REQUESTS_QUICK = 400
 QUICK_ALLOCATIONS = 2
 QUICK_FRACTIONS = (0.4, 0.8)
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
+PROFILES_FILE = "profiles.json"  # the profiling checkpoint
 
 # model -> (replicas, tp, share)
 Alloc = dict[str, tuple[int, int, float]]
@@ -234,6 +236,14 @@ def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]
     return out
 
 
+def _profile_docs(jobs: Sequence[ProfileJob], profiled: Sequence[Sequence[ProfilePoint]],
+                  ) -> list[dict[str, Any]]:
+    """Profile points as JSON documents, each with its workflow (``_reused_points`` reads
+    them back)."""
+    return [{"workflow": job.case.workflow, **asdict(p)}
+            for job, pts in zip(jobs, profiled, strict=True) for p in pts]
+
+
 def _alloc_doc(allocation: dict[str, ModelAlloc]) -> dict[str, dict[str, float]]:
     return {m: {"replicas": a.replicas, "tp": a.tp, "share": a.share}
             for m, a in allocation.items()}
@@ -253,8 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workflows", nargs="*", choices=[c.workflow for c in _cases()],
                     help="only these workflows (default: all three)")
     ap.add_argument("--profiles-from", type=Path,
-                    help="an earlier run's alp_accuracy.json: reuse its profile points for the "
-                         "keys it holds (same mode: the same seeded result), profile the rest")
+                    help="an earlier run's alp_accuracy.json or profiles.json (written once "
+                         "profiling ends): reuse its profile points for the keys it holds "
+                         "(same mode: the same seeded result), profile the rest")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
@@ -279,6 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                        key=lambda j: -jobs[j].case.profile_calls)
         done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
         profiled = [done[j] for j in range(len(jobs))]
+        # a checkpoint for --profiles-from: the evaluation that follows is the long part
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / PROFILES_FILE).write_bytes(orjson.dumps(
+            {"label": "simulated", "quick": args.quick,
+             "profile_points": _profile_docs(jobs, profiled)},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         books = {c.workflow: ProfileBook(p for job, pts in zip(jobs, profiled, strict=True)
                                          if job.case.workflow == c.workflow for p in pts)
                  for c in cases}
@@ -368,8 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "latency_error_max_without_pooling": max(paper_errors, default=float("nan")),
             "allocations": len(case.allocations),
         }
-    report["profile_points"] = [{"workflow": job.case.workflow, **asdict(p)}
-                                for job, pts in zip(jobs, profiled, strict=True) for p in pts]
+    report["profile_points"] = _profile_docs(jobs, profiled)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     report["phase_s"] = {k: round(v, 1) for k, v in phase_s.items()}
     args.out.mkdir(parents=True, exist_ok=True)

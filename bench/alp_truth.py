@@ -7,9 +7,11 @@ compares them with the pipeline's predictions.
 
 Invariants: every run of a job uses the job's seed, so a longer run extends the same
 arrivals; a run's measurement window starts after a warm-up and holds a number of request
-latencies that the run checks on itself (``stretch``, ``latency_run_short``): near capacity a
+latencies that the run checks on itself (``stretch``, ``next_latency_run``): near capacity a
 batching engine's in-flight count fills for many request latencies, and a window shorter than
-that reads the fill as a backlog (throughput) or as a lighter load (latency).
+that reads the fill as a backlog (throughput) or as a lighter load (latency), and a
+standard error from batches shorter than a queue's excursions under-reads
+(``latency_batches``).
 """
 
 from __future__ import annotations
@@ -60,8 +62,14 @@ CAP_WARMUP_LATENCIES, CAP_WINDOW_LATENCIES, CAP_STRETCHES = 5.0, 20.0, 2
 # LATENCY_MAX_REQUESTS requests. A short run's batch means are correlated and its standard
 # error under-reads: beam (1B + TP2 verifier) at 1.88 req/s stopped at 200 requests (window
 # 4 latencies) with a mean of 25.1 s +-3%, while 2,000 requests (28 latencies) read 34.7 s.
+# With the check on, the standard error's batches span LATENCY_BATCH_LATENCIES mean
+# latencies each (the window holds five of them): near capacity a queue's excursions last
+# several latencies, and fan-out (1B + TP2 8B) at 80% load read 9.21 / 9.99 / 11.47 /
+# 10.47 s across seeds and lengths with 25-latency windows, each "+-2.5%" from batches of
+# ~2.5 latencies. Simulated.
 LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
-LATENCY_WARMUP_LATENCIES, LATENCY_WINDOW_LATENCIES = 3.0, 25.0
+LATENCY_WARMUP_LATENCIES, LATENCY_WINDOW_LATENCIES = 3.0, 50.0
+LATENCY_BATCH_LATENCIES, LATENCY_BATCHES = 10.0, 10
 LATENCY_MAX_REQUESTS = 20_000
 
 
@@ -150,7 +158,7 @@ def keeps_up_at(job: EvalJob, rate: float, scale: float = 1.0, warmup_share: flo
     return keeps_up(w.offered, w.achieved), marginal(w.offered, w.achieved), w.achieved
 
 
-def mean_and_se(values: Sequence[float], batches: int = 10) -> tuple[float, float]:
+def mean_and_se(values: Sequence[float], batches: int = LATENCY_BATCHES) -> tuple[float, float]:
     """Mean and its batch-means standard error (values in arrival order: batches of
     consecutive requests absorb their correlation)."""
     a = np.asarray(values, dtype=np.float64)
@@ -179,8 +187,18 @@ def latency_run(job: EvalJob, n: int, warmup_s: float) -> LatencyRun:
     lo, hi = res.window_s
     measured = [s for s in spans if lo <= s.arrival < hi]
     lat = [s.end - s.arrival for s in measured if s.end >= 0 and not s.failed]
-    mean, se = mean_and_se(lat)
+    mean, se = mean_and_se(lat, latency_batches(job, hi - lo, float(np.mean(lat)) if lat
+                                                else math.nan))
     return LatencyRun(n, warmup_s, mean, se, len(lat), len(measured) - len(lat))
+
+
+def latency_batches(job: EvalJob, window_s: float, mean: float) -> int:
+    """How many batches a latency run's standard error takes: ``LATENCY_BATCHES``, or with
+    the run-length check as many of ``LATENCY_BATCH_LATENCIES`` x the ``mean`` latency as the
+    window holds (at least 2: a window that holds fewer grows, ``next_latency_run``)."""
+    if job.latency_window_latencies <= 0 or not math.isfinite(mean) or mean <= 0:
+        return LATENCY_BATCHES
+    return max(2, min(LATENCY_BATCHES, int(window_s / (LATENCY_BATCH_LATENCIES * mean))))
 
 
 def latency_warmup(job: EvalJob, n: int, mean: float) -> float:

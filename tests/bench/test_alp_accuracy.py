@@ -14,10 +14,12 @@ from bench.alp_accuracy import (
     CAP_MIN_REQUESTS_QUICK,
     QUICK_ALLOCATIONS,
     _cases,
+    _profile_docs,
     _reused_points,
     quick_cases,
 )
 from bench.alp_truth import mean_and_se, simulated_capacity
+from bench.sim_profile import ProfileJob
 from optimizer.profiles import ProfilePoint
 
 
@@ -68,3 +70,20 @@ def test_reused_profile_points_are_keyed_by_workflow(tmp_path: Path) -> None:
     assert reused[("fanout", "llama-3.2-1b", 1, 1.0)] == [point(1.0, 7.0)]
     assert reused[("fanout", "llama-3.2-1b", 1, 0.5)] == [point(0.5, 3.0)]
     assert _reused_points(None) == {}
+
+
+def test_profile_documents_read_back_as_the_points_they_hold(tmp_path: Path) -> None:
+    # the checkpoint written once profiling ends feeds --profiles-from
+    case = _cases()[2]
+    jobs = [ProfileJob(case, m, tp, share, n_per_request=1.0, target_calls=100,
+                       start_rate=1.0)
+            for m, tp, share in sorted({(m, tp, share) for alloc in case.allocations
+                                        for m, (_, tp, share) in alloc.items()})]
+    profiled = [[ProfilePoint(j.model, "sim-engine", "a6000", j.tp, j.share, r, r, 1.0, 1.0,
+                              1.0, 1.0, 0.1, 100) for r in (1.0, 2.0)] for j in jobs]
+    path = tmp_path / "profiles.json"
+    path.write_bytes(orjson.dumps({"profile_points": _profile_docs(jobs, profiled)}))
+    reused = _reused_points(path)
+    assert len(reused) == len(jobs)
+    for job, pts in zip(jobs, profiled, strict=True):
+        assert reused[(case.workflow, job.model, job.tp, round(job.share, 6))] == pts

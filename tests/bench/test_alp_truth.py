@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from bench.alp_accuracy import _cases
@@ -13,6 +14,7 @@ from bench.alp_truth import (
     CAP_STRETCHES,
     CAP_WARMUP_LATENCIES,
     CAP_WINDOW_LATENCIES,
+    LATENCY_BATCHES,
     LATENCY_MAX_REQUESTS,
     LATENCY_WARMUP_LATENCIES,
     LATENCY_WINDOW_LATENCIES,
@@ -20,6 +22,8 @@ from bench.alp_truth import (
     LatencyRun,
     Window,
     keeps_up_at,
+    latency_batches,
+    mean_and_se,
     next_latency_run,
     stretch,
 )
@@ -107,3 +111,37 @@ def test_latency_runs_grow_to_hold_their_own_latency() -> None:
                        failed=0)
     grown = next_latency_run(job, empty)
     assert grown is not None and grown > 200
+
+
+def test_standard_error_batches_span_several_latencies_when_runs_check_their_length() -> None:
+    job = _job("latency", rate=2.0)
+    # a window of 50 latencies of 10 s: five batches of ten latencies each
+    assert latency_batches(job, 500.0, 10.0) == 5
+    # short windows still give an estimate (they grow: next_latency_run), long ones cap out
+    assert latency_batches(job, 50.0, 10.0) == 2
+    assert latency_batches(job, 1e6, 10.0) == LATENCY_BATCHES
+    # the quick run's fixed windows, or no latency measured: the fixed count
+    assert latency_batches(replace(job, latency_window_latencies=0.0), 500.0, 10.0) \
+        == LATENCY_BATCHES
+    assert latency_batches(job, 500.0, math.nan) == LATENCY_BATCHES
+
+
+def test_long_batches_read_a_correlated_series_honestly() -> None:
+    # An AR(1) series whose correlation lasts ~200 values: batches of 50 (a queue's
+    # excursions outlasting the batch) claim a precision its mean does not have; five
+    # batches of 1,000 read the spread of the mean across independent series.
+    rng = np.random.default_rng(3)
+    phi, n = 0.99, 5000
+    means, short_se, long_se = [], [], []
+    for _ in range(60):
+        noise = rng.normal(size=n)
+        x = np.empty(n)
+        x[0] = noise[0] / math.sqrt(1 - phi * phi)
+        for i in range(1, n):
+            x[i] = phi * x[i - 1] + noise[i]
+        means.append(x.mean())
+        short_se.append(mean_and_se(list(x + 100.0), n // 50)[1])
+        long_se.append(mean_and_se(list(x + 100.0), 5)[1])
+    true_se = float(np.std(means, ddof=1))
+    assert float(np.median(long_se)) == pytest.approx(true_se, rel=0.4)
+    assert float(np.median(short_se)) < 0.7 * true_se
