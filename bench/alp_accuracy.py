@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -249,6 +250,12 @@ def _alloc_doc(allocation: dict[str, ModelAlloc]) -> dict[str, dict[str, float]]
             for m, a in allocation.items()}
 
 
+def _progress(line: str) -> None:
+    """One line of progress on stderr (stdout carries the JSON summary); in job order, so a
+    line can wait on a slower job before it."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _err(pred: float, sim: float) -> float:
     return abs(pred - sim) / sim if sim > 0 else float("inf")
 
@@ -288,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Longest first, so the pool does not end on one long job.
         order = sorted((j for j in range(len(jobs)) if j not in done),
                        key=lambda j: -jobs[j].case.profile_calls)
+        _progress(f"traced in {phase_s['trace']:.0f} s; profiling {len(order)} keys "
+                  f"({len(done)} reused)")
         done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
         profiled = [done[j] for j in range(len(jobs))]
         # a checkpoint for --profiles-from: the evaluation that follows is the long part
@@ -320,7 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     evals.append(EvalJob(case, i, f, "latency", f * cap.throughput,
                                          seed=101 + 10 * i + k, settle_s=settle_s,
                                          latency_se=latency_se, **lengths))
-        simulated = list(pool.map(evaluate, evals, chunksize=1))
+        _progress(f"profiled in {phase_s['profile']:.0f} s; {len(evals)} simulations to run")
+        simulated = []
+        for k, (ev, sim) in enumerate(zip(evals, pool.map(evaluate, evals, chunksize=1),
+                                          strict=True), 1):
+            simulated.append(sim)
+            _progress(f"{k}/{len(evals)} {ev.case.workflow} allocation {ev.alloc_index} "
+                      f"{ev.kind} {ev.fraction:.1f} ({time.perf_counter() - started:.0f} s)")
         phase_s["evaluate"] = time.perf_counter() - started - phase_s["trace"] - phase_s["profile"]
     report: dict[str, Any] = {"label": "simulated", "gpu": GPU, "quick": args.quick,
                               "profiles_reused_from": str(args.profiles_from or ""),
