@@ -250,6 +250,18 @@ def _alloc_doc(allocation: dict[str, ModelAlloc]) -> dict[str, dict[str, float]]
             for m, a in allocation.items()}
 
 
+def error_summary(throughput_errors: Sequence[float], latency_errors: Sequence[float],
+                  ) -> dict[str, float]:
+    """A workflow's summary: max and mean relative error of max throughput and of mean
+    latency (the latter over points at <= ``LATENCY_LOAD_MAX``)."""
+    return {
+        "throughput_error_max": max(throughput_errors, default=float("nan")),
+        "latency_error_max": max(latency_errors, default=float("nan")),
+        "throughput_error_mean": sum(throughput_errors) / max(len(throughput_errors), 1),
+        "latency_error_mean": sum(latency_errors) / max(len(latency_errors), 1),
+    }
+
+
 def _progress(line: str) -> None:
     """One line of progress on stderr (stdout carries the JSON summary); in job order, so a
     line can wait on a slower job before it."""
@@ -393,10 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "points": points,
         }
         report["summary"][case.workflow] = {
-            "throughput_error_max": max(thr_errors, default=float("nan")),
-            "latency_error_max": max(lat_errors, default=float("nan")),
-            "throughput_error_mean": sum(thr_errors) / max(len(thr_errors), 1),
-            "latency_error_mean": sum(lat_errors) / max(len(lat_errors), 1),
+            **error_summary(thr_errors, lat_errors),
             "latency_error_max_without_pooling": max(paper_errors, default=float("nan")),
             "allocations": len(case.allocations),
         }

@@ -78,17 +78,26 @@ class Pipeline:
         cls, stats: WorkflowStats, parallelism: Literal["agg", "paper"] = "agg",
         cross_model_overlap: bool = True, tool_stage: bool = True,
     ) -> Pipeline:
-        stages = []
-        for ms in stats.models.values():
-            p = ms.p_agg if parallelism == "agg" else ms.p
-            stages.append(Stage(ms.model, ms.n, p if math.isfinite(p) and p >= 1.0 else 1.0))
-        overlap = stats.overlap_factor if cross_model_overlap else 1.0
-        tool = stats.tool_time_mean if tool_stage else 0.0
+        return cls.from_figures(
+            stats.workflow,
+            {ms.model: (ms.n, ms.p_agg if parallelism == "agg" else ms.p)
+             for ms in stats.models.values()},
+            overlap=stats.overlap_factor if cross_model_overlap else 1.0,
+            tool_time=stats.tool_time_mean if tool_stage else 0.0,
+        )
+
+    @classmethod
+    def from_figures(cls, workflow: str, models: Mapping[str, tuple[float, float]],
+                     overlap: float = 1.0, tool_time: float = 0.0) -> Pipeline:
+        """From per-model ``(n, p)`` and the workflow's overlap and tool time, as statistics
+        report them (a JSON report's, say): a ``p`` below 1 or not finite counts as 1, an
+        overlap that is not a positive number as 1, a tool time that is not as 0."""
         return cls(
-            workflow=stats.workflow,
-            stages=tuple(stages),
+            workflow=workflow,
+            stages=tuple(Stage(m, n, p if math.isfinite(p) and p >= 1.0 else 1.0)
+                         for m, (n, p) in models.items()),
             overlap=overlap if math.isfinite(overlap) and overlap > 0 else 1.0,
-            tool_time=tool if math.isfinite(tool) and tool > 0 else 0.0,
+            tool_time=tool_time if math.isfinite(tool_time) and tool_time > 0 else 0.0,
         )
 
 
