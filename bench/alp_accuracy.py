@@ -100,6 +100,9 @@ CAP_MIN_REQUESTS = 1000
 CAP_MIN_REQUESTS_QUICK = 400
 QUICK_ALLOCATIONS = 2
 QUICK_FRACTIONS = (0.4, 0.8)
+FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.9)  # of predicted capacity, the full run's latency points
+# a latency job's warm-up is at least this many light-load request latencies (the fill)
+SETTLE_LATENCIES = 3.0
 TARGETS = {"throughput_error_max": 0.10, "latency_error_max": 0.15}
 PROFILES_FILE = "profiles.json"  # the profiling checkpoint
 
@@ -274,6 +277,12 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def latency_seed(alloc_index: int, fraction_index: int) -> int:
+    """The seed of an allocation's latency point at ``FRACTIONS[fraction_index]`` (or the
+    quick run's), so that a later bench can extend the same arrivals."""
+    return 101 + 10 * alloc_index + fraction_index
+
+
 def _err(pred: float, sim: float) -> float:
     return abs(pred - sim) / sim if sim > 0 else float("inf")
 
@@ -295,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
     reused = _reused_points(args.profiles_from)
-    fractions = QUICK_FRACTIONS if args.quick else (0.2, 0.4, 0.6, 0.8, 0.9)
+    fractions = QUICK_FRACTIONS if args.quick else FRACTIONS
     precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
     latency_se = LATENCY_SE_QUICK if args.quick else LATENCY_SE
     # the quick run keeps fixed windows (3 minutes); the full run checks them on latency
@@ -338,14 +347,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allocation = {m: ModelAlloc(d, tp, share) for m, (d, tp, share) in alloc.items()}
                 cap = predict(pipes[case.workflow], books[case.workflow], allocation, 0.0)
                 predictions[case.workflow, i] = (allocation, cap.throughput)
-                settle_s = 3.0 * settle[case.workflow]
+                settle_s = SETTLE_LATENCIES * settle[case.workflow]
                 # capacity jobs first: each is a sequence of runs, the longest jobs
                 evals.insert(0, EvalJob(case, i, 1.0, "capacity", cap.throughput,
                                         seed=100 + 10 * i, settle_s=settle_s,
                                         precision=precision, **lengths))
                 for k, f in enumerate(fractions):
                     evals.append(EvalJob(case, i, f, "latency", f * cap.throughput,
-                                         seed=101 + 10 * i + k, settle_s=settle_s,
+                                         seed=latency_seed(i, k), settle_s=settle_s,
                                          latency_se=latency_se, **lengths))
         _progress(f"profiled in {phase_s['profile']:.0f} s; {len(evals)} simulations to run")
         simulated = []

@@ -27,18 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
-from bench.alp_accuracy import _cases, _trace
+from bench.alp_accuracy import SETTLE_LATENCIES, _cases, _trace
 from bench.alp_replay import books_of
-from bench.alp_truth import EvalJob, latency_run, latency_warmup
+from bench.alp_seeds import replication_mean, seed_summary
+from bench.alp_truth import EvalJob
 from optimizer.alp import ModelAlloc, Pipeline, predict
-
-
-def _replicate(job: EvalJob, n: int) -> float:
-    # the warm-up as the accuracy bench's first run takes it (no latency read yet)
-    return latency_run(job, n, latency_warmup(job, n, float("nan"))).mean
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats, info = _trace(replace(case, trace_requests=args.trace_requests))
     pipe = Pipeline.from_stats(stats)
     book = books_of(args.run)[args.workflow]
-    settle = 3.0 * float(info["latency_mean_s"])
+    settle = SETTLE_LATENCIES * float(info["latency_mean_s"])
     points: list[dict[str, Any]] = []
     jobs: list[EvalJob] = []
     for i in indices:
@@ -69,12 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs += [EvalJob(case, i, args.load, "latency", rate, 5000 + 10 * i + s, settle)
                  for s in range(args.seeds)]
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        means = list(pool.map(_replicate, jobs, [args.requests] * len(jobs)))
+        means = list(pool.map(replication_mean, jobs, [args.requests] * len(jobs)))
     for k, p in enumerate(points):
-        seeds = means[k * args.seeds:(k + 1) * args.seeds]
-        p["seed_means"] = seeds
-        p["simulated"] = float(np.mean(seeds))
-        p["error"] = abs(p["predicted"] - p["simulated"]) / p["simulated"]
+        p.update(seed_summary(p["predicted"], means[k * args.seeds:(k + 1) * args.seeds]))
     print(orjson.dumps({
         "label": "simulated", "workflow": args.workflow, "load": args.load,
         "trace": {"requests": args.trace_requests,

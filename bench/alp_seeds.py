@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench.alp_accuracy import _cases
+from bench.alp_accuracy import FRACTIONS, SETTLE_LATENCIES, _cases, latency_seed
 from bench.alp_truth import EvalJob, latency_run, latency_warmup
 
 
@@ -44,8 +44,19 @@ def _alloc_index(case_allocations: Sequence[dict[str, tuple[int, int, float]]],
     raise ValueError(f"allocation {wanted} is not one of the bench's")
 
 
-def _replicate(job: EvalJob, n: int, mean_hint: float) -> float:
+def replication_mean(job: EvalJob, n: int, mean_hint: float = math.nan) -> float:
+    """One replication's mean latency over ``n`` arrivals, warmed up as the accuracy bench
+    warms a run after reading ``mean_hint`` (NaN: as its first run)."""
     return latency_run(job, n, latency_warmup(job, n, mean_hint)).mean
+
+
+def seed_summary(predicted: float, seeds: Sequence[float]) -> dict[str, Any]:
+    """Replications' means, their mean and its across-seed standard error, and the
+    prediction's relative error against that mean."""
+    mean = float(np.mean(seeds))
+    se = float(np.std(seeds, ddof=1) / math.sqrt(len(seeds))) if len(seeds) > 1 else math.inf
+    return {"seed_means": list(seeds), "simulated": mean, "simulated_se": se,
+            "error": abs(predicted - mean) / mean}
 
 
 def selected(run: dict[str, Any], load: float, min_error: float) -> list[dict[str, Any]]:
@@ -75,28 +86,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in points:
         case = cases[p["workflow"]]
         index = _alloc_index(case.allocations, p["allocation"])
-        # the run's seed for this point (bench.alp_accuracy: 101 + 10 i + k), then others
-        k = round(p["load"] / 0.2) - 1 if p["load"] <= 0.8 + 1e-9 else 4
-        settle = 3.0 * run["workflows"][p["workflow"]]["trace"]["latency_mean_s"]
+        # the run's seed for this point first, then others
+        k = min(range(len(FRACTIONS)), key=lambda j: abs(FRACTIONS[j] - p["load"]))
+        settle = SETTLE_LATENCIES * run["workflows"][p["workflow"]]["trace"]["latency_mean_s"]
         for s in range(args.seeds):
-            seed = 101 + 10 * index + k + 1000 * s
+            seed = latency_seed(index, k) + 1000 * s
             jobs.append((EvalJob(case, index, p["load"], "latency", p["rate"], seed, settle),
                          args.requests, p["simulated"]))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        means = list(pool.map(_replicate, *zip(*jobs, strict=True))) if jobs else []
+        means = list(pool.map(replication_mean, *zip(*jobs, strict=True))) if jobs else []
     report: dict[str, Any] = {"label": "simulated", "run": str(args.run),
                               "requests": args.requests, "points": []}
     for i, p in enumerate(points):
-        seeds = means[i * args.seeds:(i + 1) * args.seeds]
-        mean = float(np.mean(seeds))
-        se = float(np.std(seeds, ddof=1) / math.sqrt(len(seeds))) if len(seeds) > 1 else math.inf
         report["points"].append({
             "workflow": p["workflow"], "allocation": p["allocation"], "load": p["load"],
             "rate": p["rate"], "predicted": p["predicted"],
             "run_simulated": p["simulated"], "run_simulated_se": p["simulated_se"],
             "run_requests": p["requests"], "run_error": p["error"],
-            "seed_means": seeds, "simulated": mean, "simulated_se": se,
-            "error": abs(p["predicted"] - mean) / mean})
+            **seed_summary(p["predicted"], means[i * args.seeds:(i + 1) * args.seeds])})
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "alp_seeds.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

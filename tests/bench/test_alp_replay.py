@@ -35,7 +35,7 @@ TRACE: dict[str, Any] = {
 }
 
 
-def _run(tmp_path: Path) -> tuple[Path, Pipeline, ProfileBook]:
+def _run(tmp_path: Path) -> Path:
     points = _points("a", 40.0, 1.0) + _points("b", 6.0, 2.0)
     pipe = Pipeline.from_figures("w", {"a": (4.0, 2.0), "b": (1.0, 1.0)}, 0.8, 0.5)
     book = ProfileBook(points)
@@ -58,7 +58,7 @@ def _run(tmp_path: Path) -> tuple[Path, Pipeline, ProfileBook]:
         "workflows": {"w": {"trace": TRACE, "points": doc_points}},
         "profile_points": [{"workflow": "w", **asdict(p)} for p in points],
     }))
-    return run, pipe, book
+    return run
 
 
 def test_pipeline_of_a_trace_section_is_the_ratio_of_totals_one() -> None:
@@ -72,7 +72,7 @@ def test_pipeline_of_a_trace_section_is_the_ratio_of_totals_one() -> None:
 
 
 def test_replay_reproduces_the_run_and_scores_it(tmp_path: Path) -> None:
-    run, _, _ = _run(tmp_path)
+    run = _run(tmp_path)
     out = replay(run)
     points = out["points"]["w"]
     assert len(points) == 8
@@ -87,7 +87,7 @@ def test_replay_reproduces_the_run_and_scores_it(tmp_path: Path) -> None:
 
 
 def test_main_writes_the_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run, _, _ = _run(tmp_path)
+    run = _run(tmp_path)
     assert main([str(run), "--out", str(tmp_path / "out"), "--points"]) == 0
     printed = capsys.readouterr().out
     assert "max_throughput a:1x1x1 b:2x1x1" in printed
