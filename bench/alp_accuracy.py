@@ -308,8 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     precision = CAP_PRECISION_QUICK if args.quick else CAP_PRECISION
     latency_se = LATENCY_SE_QUICK if args.quick else LATENCY_SE
     # the quick run keeps fixed windows (3 minutes); the full run checks them on latency
-    lengths: dict[str, Any] = ({"cap_stretches": 0, "latency_window_latencies": 0.0}
-                               if args.quick else {})
+    lengths: dict[str, Any] = ({"cap_stretches": 0, "latency_window_latencies": 0.0,
+                                "replications": 1} if args.quick else {})
     if args.quick:
         cases = quick_cases(cases)
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
@@ -389,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "load": ev.fraction, "rate": ev.rate, "predicted": pred.latency,
                            "simulated": sim["latency_mean"], "error": err,
                            "simulated_se": sim["latency_se"], "requests": sim["requests"],
+                           "run_requests": sim["run_requests"],
+                           "replication_means": sim["replication_means"],
                            "predicted_without_pooling": paper.latency,
                            "bottleneck": pred.bottleneck, "completed": sim["completed"],
                            "failed": sim["failed"],

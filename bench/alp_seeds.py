@@ -31,7 +31,7 @@ import numpy as np
 import orjson
 
 from bench.alp_accuracy import FRACTIONS, SETTLE_LATENCIES, _cases, latency_seed
-from bench.alp_truth import EvalJob, latency_run, latency_warmup
+from bench.alp_truth import REPLICATION_SEED_STRIDE, EvalJob, latency_run, latency_warmup
 
 
 def _alloc_index(case_allocations: Sequence[dict[str, tuple[int, int, float]]],
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         k = min(range(len(FRACTIONS)), key=lambda j: abs(FRACTIONS[j] - p["load"]))
         settle = SETTLE_LATENCIES * run["workflows"][p["workflow"]]["trace"]["latency_mean_s"]
         for s in range(args.seeds):
-            seed = latency_seed(index, k) + 1000 * s
+            seed = latency_seed(index, k) + REPLICATION_SEED_STRIDE * s
             jobs.append((EvalJob(case, index, p["load"], "latency", p["rate"], seed, settle),
                          args.requests, p["simulated"]))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:

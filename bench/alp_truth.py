@@ -11,7 +11,8 @@ latencies that the run checks on itself (``stretch``, ``next_latency_run``): nea
 batching engine's in-flight count fills for many request latencies, and a window shorter than
 that reads the fill as a backlog (throughput) or as a lighter load (latency), and a
 standard error from batches shorter than a queue's excursions under-reads
-(``latency_batches``).
+(``latency_batches``); a latency point's value is the mean of independent runs at further
+seeds (``replicate``), its standard error their spread.
 """
 
 from __future__ import annotations
@@ -71,6 +72,16 @@ LATENCY_SE, LATENCY_SE_QUICK, LATENCY_GROWTH_CAP = 0.03, 0.05, 8
 LATENCY_WARMUP_LATENCIES, LATENCY_WINDOW_LATENCIES = 3.0, 50.0
 LATENCY_BATCH_LATENCIES, LATENCY_BATCHES = 10.0, 10
 LATENCY_MAX_REQUESTS = 20_000
+# A latency point is then measured again over independent seeds at the same length (at least
+# LATENCY_REPLICATIONS runs, more while their spread says the mean is imprecise, at most
+# LATENCY_MAX_REPLICATIONS): its value is the runs' mean, its standard error their spread.
+# The run-length rule above sizes a run by the mean it has read so far, so a run that happens
+# to read low looks long enough and stops there, and its batch means under-read the spread
+# between runs. Stop 17's full run: RAG (1 x TP2 generator) at 80% load read 3.50 s over
+# 2,400 requests "+-7%", while 4 seeds x 20,000 requests read 4.41 +- 0.02 s; fan-out (1B +
+# TP2 8B) read 9.48 s against 10.45 +- 0.07 s. Seeds are the job's plus multiples of
+# REPLICATION_SEED_STRIDE (bench.alp_seeds replicates with the same ones). Simulated.
+LATENCY_REPLICATIONS, LATENCY_MAX_REPLICATIONS, REPLICATION_SEED_STRIDE = 3, 6, 1000
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,7 @@ class EvalJob:
     # run-length checks in request latencies (0: off, the quick run's fixed windows)
     cap_stretches: int = CAP_STRETCHES
     latency_window_latencies: float = LATENCY_WINDOW_LATENCIES
+    replications: int = LATENCY_REPLICATIONS  # independent latency runs (1: the pilot only)
 
 
 @dataclass(frozen=True)
@@ -232,6 +244,36 @@ def next_latency_run(job: EvalJob, r: LatencyRun) -> int | None:
     return n if n > r.n else None
 
 
+def replication_seed(job: EvalJob, k: int) -> int:
+    """The seed of a latency point's ``k``-th run (0: the job's own, the pilot)."""
+    return job.seed + REPLICATION_SEED_STRIDE * k
+
+
+def across_runs(runs: Sequence[LatencyRun]) -> tuple[float, float]:
+    """Mean latency over independent runs of one point and its standard error from their
+    spread (one run: its own batch-means estimate)."""
+    if len(runs) == 1:
+        return runs[0].mean, runs[0].se
+    means = np.array([r.mean for r in runs])
+    return float(means.mean()), float(means.std(ddof=1) / math.sqrt(len(means)))
+
+
+def replicate(job: EvalJob, pilot: LatencyRun,
+              run: Callable[[EvalJob, int, float], LatencyRun] = latency_run,
+              ) -> list[LatencyRun]:
+    """The pilot and its replications: runs of the pilot's length and warm-up at further
+    seeds, ``job.replications`` of them in all, more while their spread puts the standard
+    error over ``job.latency_se`` of their mean, at most ``LATENCY_MAX_REPLICATIONS``."""
+    runs = [pilot]
+    while job.replications > 1 and len(runs) < LATENCY_MAX_REPLICATIONS:
+        mean, se = across_runs(runs)
+        if len(runs) >= job.replications and se <= job.latency_se * mean:
+            break
+        runs.append(run(replace(job, seed=replication_seed(job, len(runs))), pilot.n,
+                        pilot.warmup_s))
+    return runs
+
+
 def simulated_capacity(probes: Sequence[tuple[float, bool, float]], backlog: float) -> float:
     """The most completed per second (``CAP_BACKLOG``'s comment): over the probes
     ``(rate, kept up, completions/s)`` that kept up, or under the standing ``backlog``."""
@@ -268,6 +310,9 @@ def evaluate(job: EvalJob) -> dict[str, Any]:
                                                                 math.nan))
     while (n := next_latency_run(job, r)) is not None:
         r = latency_run(job, n, latency_warmup(job, n, r.mean))
-    return {"latency_mean": r.mean, "latency_se": r.se, "requests": r.n,
-            "warmup_s": r.warmup_s, "completed": r.completed, "failed": r.failed,
-            "wall_s": time.perf_counter() - started}
+    runs = replicate(job, r)
+    mean, se = across_runs(runs)
+    return {"latency_mean": mean, "latency_se": se, "requests": sum(x.n for x in runs),
+            "run_requests": r.n, "replication_means": [x.mean for x in runs],
+            "warmup_s": r.warmup_s, "completed": sum(x.completed for x in runs),
+            "failed": sum(x.failed for x in runs), "wall_s": time.perf_counter() - started}

@@ -15,16 +15,21 @@ from bench.alp_truth import (
     CAP_WARMUP_LATENCIES,
     CAP_WINDOW_LATENCIES,
     LATENCY_BATCHES,
+    LATENCY_MAX_REPLICATIONS,
     LATENCY_MAX_REQUESTS,
+    LATENCY_REPLICATIONS,
     LATENCY_WARMUP_LATENCIES,
     LATENCY_WINDOW_LATENCIES,
     EvalJob,
     LatencyRun,
     Window,
+    across_runs,
     keeps_up_at,
     latency_batches,
     mean_and_se,
     next_latency_run,
+    replicate,
+    replication_seed,
     stretch,
 )
 
@@ -145,3 +150,42 @@ def test_long_batches_read_a_correlated_series_honestly() -> None:
     true_se = float(np.std(means, ddof=1))
     assert float(np.median(long_se)) == pytest.approx(true_se, rel=0.4)
     assert float(np.median(short_se)) < 0.7 * true_se
+
+
+def _fake_runs(means: dict[int, float]) -> tuple[Callable[[EvalJob, int, float], LatencyRun],
+                                                  list[tuple[int, int, float]]]:
+    """A latency run that reads ``means[seed]`` (precise by its own batch means), and the
+    (seed, arrivals, warm-up) it was asked for."""
+    calls: list[tuple[int, int, float]] = []
+
+    def run(job: EvalJob, n: int, warmup_s: float) -> LatencyRun:
+        calls.append((job.seed, n, warmup_s))
+        return LatencyRun(n, warmup_s, means[job.seed], 0.001, n - 10, 0)
+
+    return run, calls
+
+
+def test_a_latency_point_is_the_mean_of_independent_runs_at_the_pilots_length() -> None:
+    job = _job("latency", rate=2.0, latency_se=0.03)
+    pilot = LatencyRun(n=2400, warmup_s=30.0, mean=3.5, se=0.1, completed=2100, failed=0)
+    # runs that agree to ~1%: the pilot and LATENCY_REPLICATIONS - 1 more, at other seeds
+    agree = {replication_seed(job, k): 4.4 + 0.01 * k for k in range(1, 10)}
+    run, calls = _fake_runs(agree)
+    runs = replicate(job, replace(pilot, mean=4.4), run)
+    assert len(runs) == LATENCY_REPLICATIONS
+    assert [c[0] for c in calls] == [job.seed + 1000 * k for k in range(1, LATENCY_REPLICATIONS)]
+    assert all(n == 2400 and w == 30.0 for _, n, w in calls)
+    mean, se = across_runs(runs)
+    assert mean == pytest.approx(np.mean([r.mean for r in runs]))
+    assert se == pytest.approx(np.std([r.mean for r in runs], ddof=1) / math.sqrt(len(runs)))
+    # a pilot that read low, "precise" by its batch means: its spread against the other
+    # runs keeps replicating, up to the cap, and the point no longer reads the pilot's 3.5
+    run, calls = _fake_runs(agree)
+    runs = replicate(job, pilot, run)
+    mean, se = across_runs(runs)
+    assert len(runs) == LATENCY_MAX_REPLICATIONS
+    assert mean > 4.2 and se > 0.03 * mean
+    # one run asked for (the quick run): the pilot alone, with its own standard error
+    run, calls = _fake_runs(agree)
+    single = replicate(replace(job, replications=1), pilot, run)
+    assert single == [pilot] and not calls and across_runs(single) == (3.5, 0.1)
