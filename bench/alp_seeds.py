@@ -24,14 +24,20 @@ import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from bench.alp_accuracy import FRACTIONS, SETTLE_LATENCIES, _cases, latency_seed
-from bench.alp_truth import REPLICATION_SEED_STRIDE, EvalJob, latency_run, latency_warmup
+from bench.alp_truth import (
+    EvalJob,
+    across_seeds,
+    latency_run,
+    latency_warmup,
+    replication_seed,
+)
 
 
 def _alloc_index(case_allocations: Sequence[dict[str, tuple[int, int, float]]],
@@ -53,8 +59,7 @@ def replication_mean(job: EvalJob, n: int, mean_hint: float = math.nan) -> float
 def seed_summary(predicted: float, seeds: Sequence[float]) -> dict[str, Any]:
     """Replications' means, their mean and its across-seed standard error, and the
     prediction's relative error against that mean."""
-    mean = float(np.mean(seeds))
-    se = float(np.std(seeds, ddof=1) / math.sqrt(len(seeds))) if len(seeds) > 1 else math.inf
+    mean, se = across_seeds(seeds)
     return {"seed_means": list(seeds), "simulated": mean, "simulated_se": se,
             "error": abs(predicted - mean) / mean}
 
@@ -90,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         k = min(range(len(FRACTIONS)), key=lambda j: abs(FRACTIONS[j] - p["load"]))
         settle = SETTLE_LATENCIES * run["workflows"][p["workflow"]]["trace"]["latency_mean_s"]
         for s in range(args.seeds):
-            seed = latency_seed(index, k) + REPLICATION_SEED_STRIDE * s
-            jobs.append((EvalJob(case, index, p["load"], "latency", p["rate"], seed, settle),
+            job = EvalJob(case, index, p["load"], "latency", p["rate"], latency_seed(index, k),
+                          settle)
+            jobs.append((replace(job, seed=replication_seed(job, s)),
                          args.requests, p["simulated"]))
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         means = list(pool.map(replication_mean, *zip(*jobs, strict=True))) if jobs else []

@@ -249,13 +249,20 @@ def replication_seed(job: EvalJob, k: int) -> int:
     return job.seed + REPLICATION_SEED_STRIDE * k
 
 
+def across_seeds(means: Sequence[float]) -> tuple[float, float]:
+    """The mean of independent replications' means and its standard error from their
+    spread (``inf`` from fewer than two)."""
+    a = np.asarray(means, dtype=np.float64)
+    se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else math.inf
+    return float(a.mean()), se
+
+
 def across_runs(runs: Sequence[LatencyRun]) -> tuple[float, float]:
     """Mean latency over independent runs of one point and its standard error from their
     spread (one run: its own batch-means estimate)."""
     if len(runs) == 1:
         return runs[0].mean, runs[0].se
-    means = np.array([r.mean for r in runs])
-    return float(means.mean()), float(means.std(ddof=1) / math.sqrt(len(means)))
+    return across_seeds([r.mean for r in runs])
 
 
 def replicate(job: EvalJob, pilot: LatencyRun,
