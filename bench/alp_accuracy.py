@@ -411,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trace": {**trace_info, "latency_cv": stats.latency_cv,
                       "overlap_factor": stats.overlap_factor,
                       "tool_time_mean_s": stats.tool_time_mean,
+                      "overlaps": [{"a": o.a, "b": o.b, "coupling": o.coupling,
+                                    "together_s": stats.overlaps[(o.a, o.b)]}
+                                   for o in pipes[case.workflow].overlaps],
                       "models": {m: {"n": s.n, "p": s.p, "p_agg": s.p_agg,
                                      "share_mean": s.share_mean, "share_cv": s.share_cv}
                                  for m, s in stats.models.items()},

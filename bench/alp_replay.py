@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from bench.alp_accuracy import LATENCY_LOAD_MAX, TARGETS, _err, _reused_points, error_summary
-from optimizer.alp import ModelAlloc, Pipeline, predict
+from optimizer.alp import ModelAlloc, Overlap, Pipeline, predict
 from optimizer.profiles import ProfileBook, ProfilePoint
 
 
@@ -34,7 +34,8 @@ def pipeline_of(workflow: str, trace: dict[str, Any]) -> Pipeline:
     """The pipeline the run predicted with, from its ``trace`` section (ratio-of-totals p)."""
     return Pipeline.from_figures(
         workflow, {m: (s["n"], s["p_agg"]) for m, s in trace["models"].items()},
-        overlap=trace["overlap_factor"], tool_time=trace["tool_time_mean_s"])
+        overlap=trace["overlap_factor"], tool_time=trace["tool_time_mean_s"],
+        overlaps=[Overlap(o["a"], o["b"], o["coupling"]) for o in trace.get("overlaps", [])])
 
 
 def books_of(run: Path) -> dict[str, ProfileBook]:

@@ -5,12 +5,27 @@ calls per request and request-level parallelism ``p_m``; with ``d_m`` replicas o
 ``(t_m, s_m)``:
 
     stage latency   L_wm = L_m(λ_w · n_m / d_m) · n_m / p_m
-    latency         L_w  = overlap · Σ_m L_wm + tool_time
+    latency         L_w  = Σ_m L_wm - Σ_(m,m') overlap(L_wm, L_wm') + tool_time
     throughput      T_w  = min_m d_m · T_m / n_m        (the argmin is the bottleneck)
 
-Beyond the paper: ``overlap`` (from stats: mean critical path / mean Σ per-model busy time,
-<= 1) stops calls fanned out across *different* LLMs from being added as if serial, and
-``tool_time`` (mean uncovered time inside a request) is a fixed, load-independent stage.
+Beyond the paper: calls fanned out across *different* LLMs are not added as if serial. Per
+pair of stages whose calls ran at once in the traced requests (``overlaps``), the time both
+run is taken off the stage sum, and it is scaled with load as a fork-join of two independent
+branches of exponentially distributed lengths ``x`` and ``y`` (the stages' contributions)
+would, whose mean longest branch is ``x + y - xy/(x+y)``: the overlap is
+``coupling · xy/(x+y)``, at most the shorter stage, where ``coupling`` (traced overlap over
+``xy/(x+y)`` of the traced busy times) makes it exact at the traced load. So when one stage
+queues, the other, running beside it, stays hidden rather than shrinking the total: a single
+traced ratio (``overlap``: mean critical path / mean Σ per-model busy time) multiplied the
+slow stage's queueing by it, and put fan-out's 1B + 8B workflow 19% under the simulated
+latency at 80% load with a second 1B replica that changes nothing (``bench.alp_accuracy``;
+over fan-out's 40 points at <= 80% load, scaling the overlap by the smaller stage's growth
+misses by up to 20%, keeping the traced fraction of the shorter stage by up to 14%, this
+rule by 8%). Three models at once are counted pairwise, and the path is never shorter
+than its longest stage. ``overlap`` still stands in where no pairs are known (a scenario
+file's workflow) and for the allocation search's budget curves, which rank allocations by
+their stage sum. ``tool_time`` (mean uncovered time inside a request) is a fixed,
+load-independent stage.
 
 Also beyond the paper, ``pooling``: ``d`` replicas behind a load-balancing router serve a
 call faster than one replica at ``λ/d`` (the paper's model), because the router puts a
@@ -41,7 +56,7 @@ flagged (``scaled_from``). :func:`predict_many` evaluates a batch of allocations
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,39 +80,68 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True)
+class Overlap:
+    """Stages ``a`` and ``b`` run calls at the same time within a request; ``coupling`` is
+    their traced time together over ``xy/(x+y)`` of their traced busy times (in (0, 2])."""
+
+    a: str
+    b: str
+    coupling: float
+
+    @classmethod
+    def traced(cls, a: str, b: str, together: float, busy_a: float,
+               busy_b: float) -> Overlap | None:
+        """From the mean time both ran per request and each one's mean busy time (s); ``None``
+        when any of them is not a positive number."""
+        if not all(math.isfinite(v) and v > 0 for v in (together, busy_a, busy_b)):
+            return None
+        return cls(a, b, together / (busy_a * busy_b / (busy_a + busy_b)))
+
+
+@dataclass(frozen=True, slots=True)
 class Pipeline:
     """A workflow as the ALP sees it."""
 
     workflow: str
     stages: tuple[Stage, ...]
-    overlap: float = 1.0  # critical path / Σ per-model busy time, in (0, 1]
+    overlap: float = 1.0  # critical path / Σ per-model busy time, in (0, 1] (see above)
     tool_time: float = 0.0  # seconds per request spent outside any LLM call
+    overlaps: tuple[Overlap, ...] = ()  # pairs of stages whose calls run at once
 
     @classmethod
     def from_stats(
         cls, stats: WorkflowStats, parallelism: Literal["agg", "paper"] = "agg",
         cross_model_overlap: bool = True, tool_stage: bool = True,
     ) -> Pipeline:
+        pairs = [Overlap.traced(a, b, t, stats.models[a].busy_mean, stats.models[b].busy_mean)
+                 for (a, b), t in stats.overlaps.items()
+                 if a in stats.models and b in stats.models]
         return cls.from_figures(
             stats.workflow,
             {ms.model: (ms.n, ms.p_agg if parallelism == "agg" else ms.p)
              for ms in stats.models.values()},
             overlap=stats.overlap_factor if cross_model_overlap else 1.0,
             tool_time=stats.tool_time_mean if tool_stage else 0.0,
+            overlaps=[o for o in pairs if o is not None] if cross_model_overlap else (),
         )
 
     @classmethod
     def from_figures(cls, workflow: str, models: Mapping[str, tuple[float, float]],
-                     overlap: float = 1.0, tool_time: float = 0.0) -> Pipeline:
-        """From per-model ``(n, p)`` and the workflow's overlap and tool time, as statistics
-        report them (a JSON report's, say): a ``p`` below 1 or not finite counts as 1, an
-        overlap that is not a positive number as 1, a tool time that is not as 0."""
+                     overlap: float = 1.0, tool_time: float = 0.0,
+                     overlaps: Sequence[Overlap] = ()) -> Pipeline:
+        """From per-model ``(n, p)`` and the workflow's overlap, tool time and overlapping
+        pairs, as statistics report them (a JSON report's, say): a ``p`` below 1 or not
+        finite counts as 1, an overlap that is not a positive number as 1, a tool time that
+        is not as 0; a pair naming a model without a stage, or with a coupling that is not
+        a positive number, is dropped."""
         return cls(
             workflow=workflow,
             stages=tuple(Stage(m, n, p if math.isfinite(p) and p >= 1.0 else 1.0)
                          for m, (n, p) in models.items()),
             overlap=overlap if math.isfinite(overlap) and overlap > 0 else 1.0,
             tool_time=tool_time if math.isfinite(tool_time) and tool_time > 0 else 0.0,
+            overlaps=tuple(o for o in overlaps if o.a in models and o.b in models and o.a != o.b
+                           and math.isfinite(o.coupling) and o.coupling > 0),
         )
 
 
@@ -116,7 +160,7 @@ class StagePrediction:
     model: str
     call_rate: float  # calls per second per replica
     call_latency: float  # L_m at that rate (s)
-    contribution: float  # L_wm = call_latency · n / p (s), before the overlap factor
+    contribution: float  # L_wm = call_latency · n / p (s), before overlaps are taken off
     capacity: float  # d · T_m / n: workflow requests per second this stage sustains
     utilisation: float  # rate / capacity
     scaled_from: float | None  # the measured share this stage's profile was scaled from
@@ -159,6 +203,25 @@ def _stage_latency(prof: Profile, call_rate: npt.ArrayLike, replicas: npt.ArrayL
     return np.asarray(np.where(np.isfinite(lat), pooled, lat), dtype=np.float64)
 
 
+def critical_path(pipeline: Pipeline, contribution: npt.ArrayLike) -> FloatArray:
+    """Per candidate, the mean time a request spends in LLM calls, from its stages'
+    contributions (a (C, M) array in stage order; see the module docstring). Infinite where
+    any contribution is."""
+    c = np.asarray(contribution, dtype=np.float64)
+    total = c.sum(axis=1)
+    if not pipeline.overlaps:
+        return np.asarray(pipeline.overlap * total, dtype=np.float64)
+    column = {st.model: j for j, st in enumerate(pipeline.stages)}
+    for o in pipeline.overlaps:
+        x, y = c[:, column[o.a]], c[:, column[o.b]]
+        shorter = np.minimum(x, y)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            both = np.minimum(o.coupling * x * y / (x + y), shorter)
+        # both stages idle (0/0), or one unbounded (the total is already inf): nothing to take
+        total = total - np.where(np.isfinite(both), both, 0.0)
+    return np.asarray(np.maximum(total, c.max(axis=1, initial=0.0)), dtype=np.float64)
+
+
 def predict(
     pipeline: Pipeline, book: ProfileBook, allocation: Mapping[str, ModelAlloc], rate: float,
     stat: Stat = "mean", pooling: bool = True,
@@ -178,7 +241,8 @@ def predict(
             scaled_from=prof.scaled_from,
         ))
     neck = min(stages, key=lambda s: s.capacity)
-    latency = pipeline.overlap * sum(s.contribution for s in stages) + pipeline.tool_time
+    path = critical_path(pipeline, [[s.contribution for s in stages]])
+    latency = float(path[0]) + pipeline.tool_time
     return Prediction(
         workflow=pipeline.workflow, rate=rate,
         latency=latency if math.isfinite(latency) else math.inf,
@@ -232,7 +296,7 @@ def predict_many(
         contribution[:, j] = lat * st.n / st.p
     neck = np.argmin(capacity, axis=1)
     throughput = capacity[np.arange(n_cand), neck]
-    latency = pipeline.overlap * contribution.sum(axis=1) + pipeline.tool_time
+    latency = critical_path(pipeline, contribution) + pipeline.tool_time
     latency = np.where(rate >= throughput, np.inf, latency)
     return BatchPrediction(latency=latency, throughput=throughput, bottleneck=neck,
                            contribution=contribution, scaled=scaled)

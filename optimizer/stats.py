@@ -8,8 +8,9 @@ relies on (share of LLM time and its coefficient of variation across requests).
 
 Beyond the paper, per request: the *critical path* (length of the union of every call interval,
 whatever the model) against the sum of the per-model unions gives an ``overlap_factor`` (< 1
-when calls to different LLMs run at once, so their stage latencies must not simply be added),
-and the gaps inside a request's span that no call covers give the non-LLM ``tool_time``. A
+when calls to different LLMs run at once, so their stage latencies must not simply be added);
+per pair of models, the time both run at once (``overlaps``) is what the Aggregate LLM
+Pipeline scales with load (:mod:`optimizer.alp`); and the gaps inside a request's span that no call covers give the non-LLM ``tool_time``. A
 workflow whose requests split into two populations by share is flagged (``bimodal``).
 
 Data flow: :mod:`optimizer.stats_scan` groups the store's calls in DuckDB (retry
@@ -21,8 +22,8 @@ module turns those into per-workflow and per-model figures (vectorised over requ
 completed request: requests, arrivals, request latency (mean, CV), and per model the calls,
 ``n`` and mean call latency. Means over the sample: what needs a request's calls per model
 (shares and their CV, ``requests_calling`` scaled up, the bimodality split) and the unions
-(critical path, stage sum, overlap, tool time, and per model ``p``, ``p_agg``,
-``busy_mean``): thousands of requests per workflow at the cap, where the sampling error is
+(critical path, stage sum, overlap, pairwise overlaps, tool time, and per model ``p``,
+``p_agg``, ``busy_mean``): thousands of requests per workflow at the cap, where the sampling error is
 far below what traffic itself varies by, and grouping or sorting every call would cost
 seconds.
 
@@ -46,7 +47,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
 
 import duckdb
@@ -57,6 +59,7 @@ from optimizer.modality import Split, bimodal_split
 from optimizer.stats_scan import UNION_CALLS_CAP, Bounds, Histogram, Scan, scan
 from optimizer.stats_union import (
     Segments,
+    joint_union,
     mean_of,
     quantile_cont,
     request_starts,
@@ -138,6 +141,11 @@ class WorkflowStats:
     # unless the window held more than the workflow's share of the cap's calls, then a
     # uniform hash sample.
     union_requests: int = 0
+    # Per pair of models (names sorted) whose calls run at once in a request: the mean
+    # per-request time both run (the intersection of their unions, s); pairs that never
+    # overlap are absent. Σ of the per-model unions less these is the critical path when
+    # no three models run at once.
+    overlaps: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
 
 def _cv(mean: float, mean_sq: float) -> float:
@@ -195,6 +203,7 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     shares = _shares(got, useg)
     models = _models(got, useg, shares, n_req, n_smp)
     bimodal = _bimodality(got, useg, shares, n_smp)
+    overlaps = _overlaps(got, useg, sum_u_all < sum_u_sum, n_smp)
     out: dict[str, WorkflowStats] = {}
     lo = window.t_from_us
     for w, wf in enumerate(got.workflows):
@@ -238,8 +247,32 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
             models=dict(sorted(models.get(w, {}).items())),
             bimodal=bimodal.get(w),
             union_requests=n_s,
+            overlaps=overlaps.get(w, {}),
         )
     return dict(sorted(out.items()))
+
+
+def _overlaps(got: Scan, useg: Segments, overlapping: npt.NDArray[np.bool_],
+              n_smp: npt.NDArray[np.int64]) -> dict[int, dict[tuple[str, str], float]]:
+    """Per workflow whose calls to different models ever run at once (``overlapping``), the
+    mean per-request time each pair of its models runs together, over the sample: the two
+    models' unions less their joint union. One pass over the sampled calls per model pair,
+    and none for the workflows (most) whose models strictly alternate."""
+    union = np.bincount(useg.pair, weights=useg.union, minlength=len(got.pairs))
+    by_wf: dict[int, list[int]] = {}
+    for pair, (w, _) in enumerate(got.pairs):
+        if overlapping[w] and union[pair] > 0:
+            by_wf.setdefault(w, []).append(pair)
+    scratch = np.empty_like(got.call_b) if by_wf else None
+    out: dict[int, dict[tuple[str, str], float]] = {}
+    for w, pairs in by_wf.items():
+        for i, j in combinations(pairs, 2):
+            joint = joint_union(got.call_pair, got.call_a, got.call_b, (i, j), scratch)
+            both = float(union[i] + union[j]) - joint
+            if both > 0:
+                names = sorted((got.pairs[i][1], got.pairs[j][1]))
+                out.setdefault(w, {})[(names[0], names[1])] = both / int(n_smp[w]) / US
+    return {w: dict(sorted(d.items())) for w, d in out.items()}
 
 
 def _shares(got: Scan, useg: Segments) -> F64:

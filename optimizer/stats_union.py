@@ -4,7 +4,9 @@ Role: given the calls of completed requests in the shifted layout of
 :mod:`optimizer.stats_scan` (sorted by shifted start ``a``; each request owns a disjoint integer
 range, so requests follow one another and a running maximum never carries across them),
 compute per request the length of the union of all its calls' intervals (the critical path)
-and per (request, pair) the calls, summed durations and union length. Also the exact
+and per (request, pair) the calls, summed durations and union length, and for a set of pairs
+the summed per-request union of their calls together (what two models' calls overlap by is
+their two unions less their joint one). Also the exact
 ``quantile_cont`` of a value histogram.
 
 Union of intervals sorted by start in one pass: a call adds whatever of it lies past the
@@ -55,6 +57,17 @@ def covered(a: I64, b: I64, out: I64 | None = None) -> I64:
     np.subtract(b, out, out=out)
     np.maximum(out, 0, out=out)
     return out
+
+
+def joint_union(pair: I32, a: I64, b: I64, members: Sequence[int],
+                scratch: I64 | None = None) -> int:
+    """Σ over requests of the length of the union of the calls of the pairs in ``members``
+    (calls of every request, in the shifted layout): a running maximum never carries across
+    requests, so one pass over the selected calls sums the per-request unions."""
+    mask = np.isin(pair, np.asarray(members, dtype=pair.dtype))
+    a_m, b_m = a[mask], b[mask]
+    out = None if scratch is None else scratch[: a_m.size]
+    return int(covered(a_m, b_m, out).sum())
 
 
 def request_starts(a: I64, offsets: I64) -> I64:

@@ -1,8 +1,10 @@
-"""optimizer.alp: eqs. 1-2 on M/M/1 profiles, overlap and tool stages, the vectorised batch."""
+"""optimizer.alp: eqs. 1-2 on M/M/1 profiles, overlap and tool stages, the vectorised batch,
+and stages fanned out together."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +13,10 @@ import pytest
 from optimizer.alp import (
     POOLING_EXPONENT,
     ModelAlloc,
+    Overlap,
     Pipeline,
     Stage,
+    critical_path,
     pooling_factor,
     predict,
     predict_many,
@@ -29,6 +33,7 @@ def _book() -> ProfileBook:
 
 
 PIPE = Pipeline("beam", (Stage("gen", n=4.0, p=2.0), Stage("ver", n=2.0, p=1.0)))
+FANNED = replace(PIPE, overlaps=(Overlap("gen", "ver", 1.2),))
 
 
 def test_eqs_1_and_2() -> None:
@@ -70,20 +75,21 @@ def test_unprofiled_share_is_scaled_and_flagged() -> None:
     assert pred.stages[1].scaled_from is None
 
 
-def test_batch_agrees_with_single() -> None:
+@pytest.mark.parametrize("pipe", [PIPE, FANNED], ids=["serial", "fanned"])
+def test_batch_agrees_with_single(pipe: Pipeline) -> None:
     rng = np.random.default_rng(3)
     c = 200
     replicas = rng.integers(1, 5, size=(c, 2))
     tp = np.stack([rng.choice([1, 2], size=c), np.ones(c, dtype=int)], axis=1)
     share = rng.choice([0.25, 0.5, 1.0], size=(c, 2))
     book = _book()
-    batch = predict_many(PIPE, book, 2.0, replicas, tp, share)
+    batch = predict_many(pipe, book, 2.0, replicas, tp, share)
     for i in range(0, c, 7):
         alloc = {st.model: ModelAlloc(int(replicas[i, j]), int(tp[i, j]), float(share[i, j]))
-                 for j, st in enumerate(PIPE.stages)}
-        one = predict(PIPE, book, alloc, 2.0)
+                 for j, st in enumerate(pipe.stages)}
+        one = predict(pipe, book, alloc, 2.0)
         assert batch.throughput[i] == pytest.approx(one.throughput)
-        assert PIPE.stages[int(batch.bottleneck[i])].model == one.bottleneck or (
+        assert pipe.stages[int(batch.bottleneck[i])].model == one.bottleneck or (
             batch.throughput[i] == pytest.approx(one.throughput))
         if np.isinf(one.latency):
             assert np.isinf(batch.latency[i])
@@ -171,3 +177,64 @@ def test_stats_overlap_and_tool_time_reach_the_prediction(
     assert no_overlap.latency == pytest.approx(5.0, rel=1e-3)
     no_tool = predict(Pipeline.from_stats(stats, tool_stage=False), book, alloc, 0.01)
     assert no_tool.latency == pytest.approx(2.0, rel=1e-3)
+
+
+# A slow stage (M/M/1, mu 1 call/s) and a fast one (mu 10) fanned out together; traced at 0.1
+# requests/s, where the fast stage's calls (1/9.9 s) lay wholly inside the slow one's (1/0.9 s).
+SLOW, FAST = 1 / 0.9, 1 / 9.9
+FAN_BOOK = ProfileBook(mm1("slow", mu=1.0, rates=(0.1, 0.3, 0.5, 0.7, 0.8, 0.9))
+                       + mm1("fast", mu=10.0, rates=(0.1, 0.2, 0.8, 1, 3, 5, 7, 9)))
+
+
+def _fan(together: float) -> Pipeline:
+    traced = Overlap.traced("slow", "fast", together, SLOW, FAST)
+    assert traced is not None
+    return Pipeline("fan", (Stage("slow", 1.0, 1.0), Stage("fast", 1.0, 1.0)),
+                    overlap=(SLOW + FAST - together) / (SLOW + FAST), overlaps=(traced,))
+
+
+def test_a_hidden_stage_made_faster_does_not_shorten_the_request() -> None:
+    pipe = _fan(together=FAST)
+    one = {"slow": ModelAlloc(1), "fast": ModelAlloc(1)}
+    two = {"slow": ModelAlloc(1), "fast": ModelAlloc(2)}
+    # at the traced load the request takes exactly the slow stage's time
+    assert predict(pipe, FAN_BOOK, one, 0.1, pooling=False).latency == pytest.approx(SLOW)
+    # at 0.8/s the slow stage queues (5 s a call); the fast one still runs beside it, hidden,
+    # so a second fast replica changes nothing
+    loaded = [predict(pipe, FAN_BOOK, a, 0.8, pooling=False) for a in (one, two)]
+    assert loaded[1].stages[1].contribution < loaded[0].stages[1].contribution
+    assert [p.latency for p in loaded] == pytest.approx([5.0, 5.0])
+    # a single traced ratio would have scaled the slow stage's queueing down with it
+    scalar = replace(pipe, overlaps=())
+    ratio = [predict(scalar, FAN_BOOK, a, 0.8, pooling=False).latency for a in (one, two)]
+    assert ratio[1] < ratio[0] < 5.0
+
+
+def test_overlap_is_exact_at_the_traced_load_and_bounded_elsewhere() -> None:
+    pipe = _fan(together=FAST / 2)  # half of the fast stage ran beside the slow one
+    alloc = {"slow": ModelAlloc(1), "fast": ModelAlloc(1)}
+    traced = predict(pipe, FAN_BOOK, alloc, 0.1, pooling=False)
+    assert traced.latency == pytest.approx(SLOW + FAST - FAST / 2)
+    for rate in (0.3, 0.5, 0.7, 0.85):
+        pred = predict(pipe, FAN_BOOK, alloc, rate, pooling=False)
+        x, y = (s.contribution for s in pred.stages)
+        both = x + y - pred.latency
+        assert both == pytest.approx(min(pipe.overlaps[0].coupling * x * y / (x + y), y))
+        assert 0 < both <= y and pred.latency >= x
+
+
+def test_three_stages_at_once_are_never_shorter_than_the_longest() -> None:
+    pipe = Pipeline("three", tuple(Stage(m, 1.0, 1.0) for m in "abc"), overlaps=(
+        Overlap("a", "b", 2.0), Overlap("a", "c", 2.0), Overlap("b", "c", 2.0)))
+    path = critical_path(pipe, [[1.0, 1.0, 1.0], [4.0, 1.0, np.inf]])
+    assert path[0] == pytest.approx(1.0)  # 3 - 3 x min(2 x 1/2, 1) = 0 -> the longest, 1
+    assert np.isinf(path[1])
+
+
+def test_from_figures_drops_pairs_it_cannot_use() -> None:
+    pipe = Pipeline.from_figures("w", {"a": (1.0, 1.0), "b": (1.0, 1.0)}, overlaps=[
+        Overlap("a", "b", 1.1), Overlap("a", "z", 1.0), Overlap("a", "a", 1.0),
+        Overlap("b", "a", float("nan")), Overlap("b", "a", 0.0)])
+    assert pipe.overlaps == (Overlap("a", "b", 1.1),)
+    assert Overlap.traced("a", "b", 0.0, 1.0, 1.0) is None
+    assert Overlap.traced("a", "b", 0.5, 1.0, 1.0) == Overlap("a", "b", 1.0)

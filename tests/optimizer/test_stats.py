@@ -63,6 +63,7 @@ def test_hand_computed_values(write_store: Write) -> None:
     assert wf.latency_cv == pytest.approx(2 / 6)
     assert wf.tool_time_mean == pytest.approx(0.0)
     assert wf.overlap_factor == pytest.approx(1.0)
+    assert wf.overlaps == {}  # gen and ver only ever run in turn
     # tokens over the window's calls (the unidentified one included, the superseded one not)
     assert gen.prompt_tokens.mean == pytest.approx(30.0)
     assert gen.prompt_tokens.p50 == pytest.approx(30.0)
@@ -76,7 +77,19 @@ def test_cross_model_overlap_is_measured(write_store: Write) -> None:
     assert wf.critical_path_mean == pytest.approx(4.0)
     assert wf.stage_sum_mean == pytest.approx(8.0)
     assert wf.overlap_factor == pytest.approx(0.5)
+    assert wf.overlaps == {("gen", "ver"): pytest.approx(4.0)}  # ver's union [0,4] is inside
     assert wf.latency_mean == pytest.approx(4.0)
+
+
+def test_pairwise_overlaps_are_measured_per_pair_of_models(write_store: Write) -> None:
+    # a [0,6] with b [4,8] (2 s together) and c [5,10] (1 s with a, 3 s with b); then a alone.
+    rows = [call("t", "R", "a", 0, 6), call("t", "R", "b", 4, 8), call("t", "R", "c", 5, 10),
+            call("t", "R", "a", 12, 13),
+            call("t", "Q", "a", 0, 1), call("t", "Q", "b", 1, 2)]  # strictly in turn
+    wf = summarise_store(write_store(rows))["t"]
+    assert wf.overlaps == {("a", "b"): pytest.approx(1.0), ("a", "c"): pytest.approx(0.5),
+                           ("b", "c"): pytest.approx(1.5)}  # per request, over 2 requests
+    assert wf.critical_path_mean == pytest.approx((11 + 2) / 2)
 
 
 def test_tool_time_is_the_uncovered_gap(write_store: Write) -> None:

@@ -7,6 +7,7 @@ DuckDB pass + numpy unions must agree with it exactly (up to float rounding)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import defaultdict
@@ -100,13 +101,19 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
         if not reqs:
             continue
         spans, crit, stage, tool = [], [], [], []
+        together: dict[tuple[str, str], float] = defaultdict(float)
         per_model: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for calls in reqs:
             span = max(c["t_end"] for c in calls) - min(c["t_start"] for c in calls)
             total = sum(c["t_end"] - c["t_start"] for c in calls)
             union_all = _union([(c["t_start"], c["t_end"]) for c in calls])
             unions = 0
-            for m in {c["model"] for c in calls}:
+            called = sorted({c["model"] for c in calls})
+            for a, b in itertools.combinations(called, 2):  # the time both models run
+                ua, ub, uab = (_union([(c["t_start"], c["t_end"]) for c in calls
+                                       if c["model"] in ms]) for ms in ((a,), (b,), (a, b)))
+                together[(a, b)] += ua + ub - uab
+            for m in called:
                 mine = [c for c in calls if c["model"] == m]
                 u = _union([(c["t_start"], c["t_end"]) for c in mine])
                 d = sum(c["t_end"] - c["t_start"] for c in mine)
@@ -128,6 +135,7 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
         doc["critical_path_mean"] = np.mean(crit) / S
         doc["stage_sum_mean"] = np.mean(stage) / S
         doc["tool_time_mean"] = np.mean(tool) / S
+        doc["overlaps"] = {k: v / n / S for k, v in together.items() if v > 0}
         doc["models"] = {}
         for m, pm in per_model.items():
             share = np.asarray(pm["share"] + [0.0] * (n - len(pm["share"])))
@@ -159,6 +167,9 @@ def _check(got: dict[str, WorkflowStats], want: dict[str, dict[str, Any]]) -> No
             continue
         for key in ("latency_mean", "critical_path_mean", "stage_sum_mean", "tool_time_mean"):
             assert getattr(mine, key) == pytest.approx(doc[key], abs=1e-9), (wf, key)
+        assert set(mine.overlaps) == set(doc["overlaps"]), wf
+        for pair, value in doc["overlaps"].items():
+            assert mine.overlaps[pair] == pytest.approx(value, abs=1e-9), (wf, pair)
         assert set(mine.models) == set(doc["models"])
         for model, ref in doc["models"].items():
             ms = mine.models[model]
