@@ -2,7 +2,7 @@
 
 Role: the input of ``scepsy plan --scenario FILE`` when no trace store exists yet: each
 workflow's Aggregate LLM Pipeline inputs (stages with ``n`` and ``p``, ``overlap``,
-``tool_time``), its target rate, the ``cluster:`` section (as in the settings file), per model
+``tool_time``, the pairs of stages that run at once), its target rate, the ``cluster:`` section (as in the settings file), per model
 its memory floor and allowed TP degrees, and profile points inline (a compact curve per model,
 TP degree and share) or from a profile JSON file (``scepsy profile`` export format).
 
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from optimizer.alp import Pipeline, Stage
+from optimizer.alp import Overlap, Pipeline, Stage
 from optimizer.profiles import ProfileBook, ProfileError, ProfilePoint, import_json
 from optimizer.search_space import SearchProblem, WorkflowTarget
 from shared.cluster import GB, ClusterSettings, cluster_from_settings
@@ -43,12 +43,30 @@ class ScenarioStage:
 
 
 @dataclass(frozen=True)
+class ScenarioOverlap:
+    a: str = setting(doc="a stage's model")
+    b: str = setting(doc="another stage's model, whose calls run at the same time as a's")
+    coupling: float = setting(1.0, doc=(
+        "their mean time together over xy/(x+y) of their busy times x and y, in (0, 2]: 1 is "
+        "two independent branches of exponential length (see optimizer.alp)"))
+
+    def __post_init__(self) -> None:
+        if self.a == self.b:
+            raise SettingsError("b", f"must name another stage than a ({self.a!r})")
+        if not 0 < self.coupling <= 2:
+            raise SettingsError("coupling", f"must be in (0, 2], got {self.coupling}")
+
+
+@dataclass(frozen=True)
 class ScenarioWorkflow:
     name: str = setting(doc="workflow name")
     rate: float = setting(doc="target rate, workflow requests per second")
     stages: tuple[ScenarioStage, ...] = setting(doc="one stage per LLM the workflow calls")
     overlap: float = setting(1.0, doc="critical path / Σ per-model busy time, in (0, 1]")
     tool_time: float = setting(0.0, doc="seconds per request spent outside LLM calls")
+    overlaps: tuple[ScenarioOverlap, ...] = setting((), doc=(
+        "pairs of stages whose calls run at once; given, they replace overlap in predictions, "
+        "which then keeps ranking the search's budgets"))
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -63,10 +81,16 @@ class ScenarioWorkflow:
             raise SettingsError("overlap", f"must be in (0, 1], got {self.overlap}")
         if self.tool_time < 0:
             raise SettingsError("tool_time", "must not be negative")
+        for i, o in enumerate(self.overlaps):
+            for key in ("a", "b"):
+                if getattr(o, key) not in models:
+                    raise SettingsError(f"overlaps[{i}].{key}",
+                                        f"{getattr(o, key)!r} is not one of the stages {models}")
 
     def pipeline(self) -> Pipeline:
         return Pipeline(self.name, tuple(Stage(s.model, s.n, s.p) for s in self.stages),
-                        self.overlap, self.tool_time)
+                        self.overlap, self.tool_time,
+                        tuple(Overlap(o.a, o.b, o.coupling) for o in self.overlaps))
 
 
 @dataclass(frozen=True)

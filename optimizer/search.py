@@ -19,6 +19,10 @@ the rest, and each (offset, units) keeps its best; an exact dynamic programme ov
 order (:func:`optimizer.search_space.chain`) then combines the LLMs, covering every layout the
 paper's enumeration would, without enumerating them one by one. The paper's extra latency-ratio
 pruning (higher-latency LLMs get more units) is heuristic; ``search_reference`` measures it.
+Where LLMs run at once (``Pipeline.overlaps``) the latency is no longer a sum: the search
+still minimises the stage sum times the traced overlap ratio (``Pipeline.overlap``), exact
+for LLMs called in turn and an approximation for fanned-out ones (it may spend units on a
+stage the other hides), and the chosen allocation's latency is predicted with the overlaps.
 
 Invariants: pure over frozen inputs (``search_async`` runs it in a thread); the returned
 predictions come from :func:`optimizer.alp.predict` on the chosen allocation.

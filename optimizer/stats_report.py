@@ -62,6 +62,9 @@ def to_json(stats: dict[str, WorkflowStats]) -> dict[str, Any]:
                          for m, ms in doc["models"].items()}
         if wf.bimodal is not None:
             doc["bimodal"] = {"model": wf.bimodal.model, **asdict(wf.bimodal.split)}
+        # JSON keys are strings: a pair of models becomes a list entry
+        doc["overlaps"] = [{"models": list(pair), "together_s": t}
+                           for pair, t in wf.overlaps.items()]
         out[name] = _clean(doc)
     return {"workflows": out}
 
@@ -89,6 +92,8 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
             notes.append(f"{name}: bimodal on {wf.bimodal.model}'s share: {s.low_fraction:.0%} "
                          f"of requests ≤ {s.threshold:.2f} (cluster means {s.low_mean:.2f} / "
                          f"{s.high_mean:.2f}); consider modelling it as two workflows")
+        for (a, b), together in wf.overlaps.items():
+            notes.append(f"{name}: {a} and {b} run at once {together:.3f} s per request")
         table.add_row(name, "(all)", str(wf.requests), f"{wf.arrival_rate:.3f}", "", "",
                       f"{wf.latency_mean:.3f}", "", "", f"{wf.latency_cv:.2f}",
                       f"{wf.overlap_factor:.2f}", f"{wf.tool_time_mean:.3f}")

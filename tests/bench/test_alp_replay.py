@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from bench.alp_replay import main, pipeline_of, replay
-from optimizer.alp import ModelAlloc, Pipeline, predict
+from optimizer.alp import ModelAlloc, Overlap, Pipeline, predict
 from optimizer.profiles import ProfileBook, ProfilePoint
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,6 +29,7 @@ def _points(model: str, saturation: float, light: float) -> list[ProfilePoint]:
 
 TRACE: dict[str, Any] = {
     "overlap_factor": 0.8, "tool_time_mean_s": 0.5,
+    "overlaps": [{"a": "a", "b": "b", "coupling": 1.3, "together_s": 0.4}],
     # p_agg is what the run predicted with; p (the paper's) differs, so a replay that took it
     # would predict other latencies
     "models": {"a": {"n": 4.0, "p": 1.0, "p_agg": 2.0}, "b": {"n": 1.0, "p": 1.0, "p_agg": 1.0}},
@@ -37,7 +38,8 @@ TRACE: dict[str, Any] = {
 
 def _run(tmp_path: Path) -> Path:
     points = _points("a", 40.0, 1.0) + _points("b", 6.0, 2.0)
-    pipe = Pipeline.from_figures("w", {"a": (4.0, 2.0), "b": (1.0, 1.0)}, 0.8, 0.5)
+    pipe = Pipeline.from_figures("w", {"a": (4.0, 2.0), "b": (1.0, 1.0)}, 0.8, 0.5,
+                                 [Overlap("a", "b", 1.3)])
     book = ProfileBook(points)
     doc_points = []
     for replicas in (1, 2):
@@ -65,10 +67,14 @@ def test_pipeline_of_a_trace_section_is_the_ratio_of_totals_one() -> None:
     pipe = pipeline_of("w", TRACE)
     assert [(s.model, s.n, s.p) for s in pipe.stages] == [("a", 4.0, 2.0), ("b", 1.0, 1.0)]
     assert (pipe.overlap, pipe.tool_time) == (0.8, 0.5)
+    assert pipe.overlaps == (Overlap("a", "b", 1.3),)
     odd = {**TRACE, "overlap_factor": float("nan"), "tool_time_mean_s": -1.0,
            "models": {"a": {"n": 2.0, "p": 1.0, "p_agg": 0.5}}}
     pipe = pipeline_of("w", odd)
     assert (pipe.stages[0].p, pipe.overlap, pipe.tool_time) == (1.0, 1.0, 0.0)
+    assert pipe.overlaps == ()  # b has no stage
+    older = {k: v for k, v in TRACE.items() if k != "overlaps"}  # runs before the pairs
+    assert pipeline_of("w", older).overlaps == ()
 
 
 def test_replay_reproduces_the_run_and_scores_it(tmp_path: Path) -> None:

@@ -54,6 +54,20 @@ def test_stats_table(
     assert "rag" in out and "embed" in out and "without request id" in out
 
 
+def test_stats_report_models_that_run_at_once(
+    write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a fan-out: gen [0,4] beside ver [1,3] (2 s together), then gen alone
+    store = write_store([call("fan", "f1", "gen", 0, 4), call("fan", "f1", "ver", 1, 3),
+                         call("fan", "f1", "gen", 5, 6), *_rows()])
+    assert main(["stats", "--store", str(store), "--window", "all", "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)["workflows"]
+    assert doc["fan"]["overlaps"] == [{"models": ["gen", "ver"], "together_s": 2.0}]
+    assert doc["rag"]["overlaps"] == []  # embed, then gen
+    assert main(["stats", "--store", str(store)]) == 0
+    assert "fan: gen and ver run at once 2.000 s per request" in capsys.readouterr().out
+
+
 def test_bad_window_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stats", "--store", str(tmp_path), "--window", "soon"]) == 2
     assert "not a duration" in capsys.readouterr().err

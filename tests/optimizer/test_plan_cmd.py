@@ -92,6 +92,24 @@ def test_bad_scenario_names_the_key(tmp_path: Path) -> None:
         load_scenario(bad)
 
 
+def test_scenario_overlaps_reach_the_pipeline_and_are_checked(tmp_path: Path) -> None:
+    data = yaml.safe_load(PAPER.read_text())
+    beam = data["workflows"][0]
+    beam["overlaps"] = [{"a": "llama-3.2-1b", "b": "llama-3.1-8b-prm", "coupling": 1.5}]
+    path = tmp_path / "fan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    pipe = load_scenario(path)[0].workflows[0].pipeline()
+    assert [(o.a, o.b, o.coupling) for o in pipe.overlaps] == [
+        ("llama-3.2-1b", "llama-3.1-8b-prm", 1.5)]
+    for key, value, where in (("b", "e5-base-v2", r"overlaps\[0\]\.b"),
+                              ("coupling", 3.0, r"overlaps\[0\]\.coupling"),
+                              ("b", "llama-3.2-1b", r"overlaps\[0\]\.b")):
+        beam["overlaps"] = [{"a": "llama-3.2-1b", "b": "llama-3.1-8b-prm", key: value}]
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(SettingsError, match=r"workflows\[0\]\." + where):
+            load_scenario(path)
+
+
 def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--scenario", str(PAPER), "--rate", "nope=1"]) == 2
     assert main(["plan", "--scenario", str(PAPER), "--rate", "rag_rerank"]) == 2
