@@ -196,9 +196,10 @@ def _to_doc(k: Knowledge) -> dict[str, Any]:
 
 
 def _from_doc(doc: dict[str, Any]) -> Knowledge:
-    from optimizer.alp import Stage
+    from optimizer.alp import Overlap, Stage
     pipes = {w: Pipeline(p["workflow"], tuple(Stage(**s) for s in p["stages"]), p["overlap"],
-                         p["tool_time"]) for w, p in doc["pipelines"].items()}
+                         p["tool_time"], tuple(Overlap(**o) for o in p.get("overlaps", ())))
+             for w, p in doc["pipelines"].items()}
     # JSON has no infinity: a point where no call finished in time was saved with null
     # latencies (orjson), which read back as infinite again
     rows: list[dict[str, Any]] = [{f: math.inf if v is None else v for f, v in p.items()}

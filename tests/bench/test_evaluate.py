@@ -199,3 +199,15 @@ def test_an_allocation_that_does_not_place_sustains_nothing() -> None:
     assert summary["beam"]["4"]["independent"]["max_sustained_rate"] == 0.0
     assert summary["beam"]["4"]["independent"]["rates_compared"] == 0
     assert shortfalls == []
+
+
+def test_cached_knowledge_keeps_the_pipelines_overlapping_pairs() -> None:
+    from bench.eval_scepsy import Knowledge, _from_doc, _to_doc
+    from optimizer.alp import Overlap, Pipeline, Stage
+    from optimizer.profiles import ProfileBook
+
+    pipe = Pipeline("fan", (Stage("a", 2.0, 1.0), Stage("b", 2.0, 1.0)), 0.7, 0.1,
+                    (Overlap("a", "b", 1.4),))
+    doc = orjson.loads(orjson.dumps(_to_doc(Knowledge({}, {"fan": pipe}, ProfileBook([]), (),
+                                                       {"fan": 1.0}))))
+    assert _from_doc(doc).pipelines == {"fan": pipe}
