@@ -19,9 +19,9 @@ queues, the other, running beside it, stays hidden rather than shrinking the tot
 traced ratio (``overlap``: mean critical path / mean Σ per-model busy time) multiplied the
 slow stage's queueing by it, and put fan-out's 1B + 8B workflow 19% under the simulated
 latency at 80% load with a second 1B replica that changes nothing (``bench.alp_accuracy``;
-over fan-out's 40 points at <= 80% load, scaling the overlap by the smaller stage's growth
-misses by up to 20%, keeping the traced fraction of the shorter stage by up to 14%, this
-rule by 8%). Three models at once are counted pairwise, and the path is never shorter
+over fan-out's 40 points at <= 80% load, on the same simulations, scaling the overlap by the
+smaller stage's growth misses by up to 20%, keeping the traced fraction of the shorter stage
+by up to 14%, this rule by 8.3%). Three models at once are counted pairwise, and the path is never shorter
 than its longest stage. ``overlap`` still stands in where no pairs are known (a scenario
 file's workflow) and for the allocation search's budget curves, which rank allocations by
 their stage sum. ``tool_time`` (mean uncovered time inside a request) is a fixed,
