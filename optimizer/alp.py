@@ -21,11 +21,11 @@ slow stage's queueing by it, and put fan-out's 1B + 8B workflow 19% under the si
 latency at 80% load with a second 1B replica that changes nothing (``bench.alp_accuracy``;
 over fan-out's 40 points at <= 80% load, on the same simulations, scaling the overlap by the
 smaller stage's growth misses by up to 20%, keeping the traced fraction of the shorter stage
-by up to 14%, this rule by 8.3%). Three models at once are counted pairwise, and the path is never shorter
-than its longest stage. ``overlap`` still stands in where no pairs are known (a scenario
-file's workflow) and for the allocation search's budget curves, which rank allocations by
-their stage sum. ``tool_time`` (mean uncovered time inside a request) is a fixed,
-load-independent stage.
+by up to 14%, this rule by 8.3%). Three models at once are counted pairwise, and the path is
+never shorter than its longest stage. ``overlap`` still stands in where no pairs are known (a
+scenario file's workflow) and for the allocation search's budget curves, which rank
+allocations by their stage sum. ``tool_time`` (mean uncovered time inside a request) is a
+fixed, load-independent stage.
 
 Also beyond the paper, ``pooling``: ``d`` replicas behind a load-balancing router serve a
 call faster than one replica at ``λ/d`` (the paper's model), because the router puts a

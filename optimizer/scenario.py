@@ -2,9 +2,10 @@
 
 Role: the input of ``scepsy plan --scenario FILE`` when no trace store exists yet: each
 workflow's Aggregate LLM Pipeline inputs (stages with ``n`` and ``p``, ``overlap``,
-``tool_time``, the pairs of stages that run at once), its target rate, the ``cluster:`` section (as in the settings file), per model
-its memory floor and allowed TP degrees, and profile points inline (a compact curve per model,
-TP degree and share) or from a profile JSON file (``scepsy profile`` export format).
+``tool_time``, the pairs of stages that run at once), its target rate, the ``cluster:``
+section (as in the settings file), per model its memory floor and allowed TP degrees, and
+profile points inline (a compact curve per model, TP degree and share) or from a profile JSON
+file (``scepsy profile`` export format).
 
 Invariants: decoded once with :func:`shared.settings_schema.decode` into frozen dataclasses; a
 bad value raises :class:`SettingsError` naming its key path (``workflows[1].stages[0].p: ...``);

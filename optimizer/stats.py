@@ -10,8 +10,9 @@ Beyond the paper, per request: the *critical path* (length of the union of every
 whatever the model) against the sum of the per-model unions gives an ``overlap_factor`` (< 1
 when calls to different LLMs run at once, so their stage latencies must not simply be added);
 per pair of models, the time both run at once (``overlaps``) is what the Aggregate LLM
-Pipeline scales with load (:mod:`optimizer.alp`); and the gaps inside a request's span that no call covers give the non-LLM ``tool_time``. A
-workflow whose requests split into two populations by share is flagged (``bimodal``).
+Pipeline scales with load (:mod:`optimizer.alp`); and the gaps inside a request's span that
+no call covers give the non-LLM ``tool_time``. A workflow whose requests split into two
+populations by share is flagged (``bimodal``).
 
 Data flow: :mod:`optimizer.stats_scan` groups the store's calls in DuckDB (retry
 de-duplication, per request sums) and hands back compact arrays, with the calls of a hash
@@ -23,9 +24,9 @@ completed request: requests, arrivals, request latency (mean, CV), and per model
 ``n`` and mean call latency. Means over the sample: what needs a request's calls per model
 (shares and their CV, ``requests_calling`` scaled up, the bimodality split) and the unions
 (critical path, stage sum, overlap, pairwise overlaps, tool time, and per model ``p``,
-``p_agg``, ``busy_mean``): thousands of requests per workflow at the cap, where the sampling error is
-far below what traffic itself varies by, and grouping or sorting every call would cost
-seconds.
+``p_agg``, ``busy_mean``): thousands of requests per workflow at the cap, where the sampling
+error is far below what traffic itself varies by, and grouping or sorting every call would
+cost seconds.
 
 Invariants:
 - a retried call is one logical call: rows sharing a ``call_id`` collapse to the highest
@@ -201,9 +202,12 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     sum_u_all, sum_u_sum = per_wf(u_all.astype(np.float64), smp_wf), per_wf(u_sum, smp_wf)
     sum_tool = per_wf(got.smp_span - u_all, smp_wf)
     shares = _shares(got, useg)
-    models = _models(got, useg, shares, n_req, n_smp)
+    # Σ over the sample of each (workflow, model) pair's per-request union (µs)
+    pair_union = np.bincount(useg.pair, weights=useg.union,
+                             minlength=len(got.pairs)).astype(np.float64)
+    models = _models(got, useg, shares, pair_union, n_req, n_smp)
     bimodal = _bimodality(got, useg, shares, n_smp)
-    overlaps = _overlaps(got, useg, sum_u_all < sum_u_sum, n_smp)
+    overlaps = _overlaps(got, pair_union, sum_u_all < sum_u_sum, n_smp)
     out: dict[str, WorkflowStats] = {}
     lo = window.t_from_us
     for w, wf in enumerate(got.workflows):
@@ -252,13 +256,13 @@ def _assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSt
     return dict(sorted(out.items()))
 
 
-def _overlaps(got: Scan, useg: Segments, overlapping: npt.NDArray[np.bool_],
+def _overlaps(got: Scan, union: F64, overlapping: npt.NDArray[np.bool_],
               n_smp: npt.NDArray[np.int64]) -> dict[int, dict[tuple[str, str], float]]:
     """Per workflow whose calls to different models ever run at once (``overlapping``), the
     mean per-request time each pair of its models runs together, over the sample: the two
     models' unions less their joint union. One pass over the sampled calls per model pair,
-    and none for the workflows (most) whose models strictly alternate."""
-    union = np.bincount(useg.pair, weights=useg.union, minlength=len(got.pairs))
+    and none for the workflows (most) whose models strictly alternate. ``union``: per pair,
+    its summed per-request unions over the sample."""
     by_wf: dict[int, list[int]] = {}
     for pair, (w, _) in enumerate(got.pairs):
         if overlapping[w] and union[pair] > 0:
@@ -284,11 +288,11 @@ def _shares(got: Scan, useg: Segments) -> F64:
 
 
 def _models(
-    got: Scan, useg: Segments, share: F64, n_req: npt.NDArray[np.int64],
+    got: Scan, useg: Segments, share: F64, s_union: F64, n_req: npt.NDArray[np.int64],
     n_smp: npt.NDArray[np.int64],
 ) -> dict[int, dict[str, ModelStats]]:
     """Per workflow and model: calls and durations over every completed request; the rest
-    over the sample (``useg``)."""
+    over the sample (``useg``; ``s_union``: per pair, its summed per-request unions)."""
     n_pairs = len(got.pairs)
     known = ~np.isnan(share)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -303,7 +307,7 @@ def _models(
 
     calling = per_pair()
     share_sum, share_sq = per_pair(share, known), per_pair(share * share, known)
-    s_dur, s_union = per_pair(useg.dur), per_pair(useg.union)
+    s_dur = per_pair(useg.dur)
     p_sum, p_n = per_pair(p_seg, p_known), per_pair(None, p_known)
     out: dict[int, dict[str, ModelStats]] = {}
     for pair in np.flatnonzero(got.pair_calls):
