@@ -19,6 +19,14 @@ are renumbered 0..N-1, which ``CUDA_VISIBLE_DEVICES`` uses. This assumes nodes w
 Scepsy schedules and a container runtime that honours ``NVIDIA_VISIBLE_DEVICES`` (the NVIDIA
 runtime's default). Emulated engines (``engine: emulator``) use no GPU and no MPS.
 
+Cluster knobs (``rollout.kubernetes``): the user's ``node_selector`` is merged under the
+placement's ``kubernetes.io/hostname`` pin; ``tolerations``, ``runtime_class_name`` and
+``image_pull_secrets`` go on every engine pod; ``resources`` (CPU, memory) on every engine
+container, beside the GPU count the placement sets; a ``model_cache`` volume is mounted into
+vllm/sglang engines at its ``mount_path`` with ``HF_HOME`` pointing there. With ``harden`` every
+container drops all capabilities and privilege escalation under the RuntimeDefault seccomp
+profile; emulator containers (our image, uid 65532) also run as non-root on a read-only root.
+
 Invariants: the output is a function of its inputs only (same target, same bytes), so a second
 server-side apply changes nothing; every object carries the owner labels
 (:func:`owner_labels`); names are DNS labels derived from group and replica ids; the pod's
@@ -64,6 +72,8 @@ ANNOTATION_MODEL = "scepsy.io/model"
 ROUTES_KEY = "routes.json"
 MPS_DIR = "/mps"
 MIB = 1 << 20
+CACHE_VOLUME = "model-cache"
+NONROOT_UID = 65532  # the uid of deploy/image's images (the emulator's)
 
 
 def owner_labels(k: KubernetesSettings) -> dict[str, str]:
@@ -109,6 +119,20 @@ def _image(serving: ModelServing, k: KubernetesSettings) -> str:
 
 def _env(pairs: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
     return [{"name": n, "value": v} for n, v in pairs]
+
+
+def _security_context(kube: KubernetesSettings, ours: bool) -> dict[str, Any] | None:
+    """The container's securityContext: hardened unless ``harden`` is off; ``ours`` (our image,
+    the emulator) also runs as its non-root user on a read-only root file system."""
+    if not kube.harden:
+        return None
+    ctx: dict[str, Any] = {"allowPrivilegeEscalation": False,
+                           "capabilities": {"drop": ["ALL"]},
+                           "seccompProfile": {"type": "RuntimeDefault"}}
+    if ours:
+        ctx.update({"runAsNonRoot": True, "runAsUser": NONROOT_UID,
+                    "runAsGroup": NONROOT_UID, "readOnlyRootFilesystem": True})
+    return ctx
 
 
 def _group_json(group: GroupSpec) -> str:
@@ -163,18 +187,33 @@ def _engine_container(k: int, replica: Replica, group: GroupSpec, rollout: Rollo
                          "failureThreshold": max(1, int(kube.ready_timeout_s // 10))},
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5},
     }
-    if gpu and serving.engine != "emulator" and kube.hf_token_secret:
+    real = serving.engine != "emulator"
+    if gpu and real and kube.hf_token_secret:
         container["env"].append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": kube.hf_token_secret, "key": "HF_TOKEN"}}})
-    mounts = []
+    cache = kube.model_cache
+    if real and cache.enabled:
+        container["env"].append({"name": "HF_HOME", "value": cache.mount_path})
+        if cache.read_only:
+            container["env"].append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    mounts: list[dict[str, Any]] = []
     if mps:
         mounts.append({"name": "mps", "mountPath": MPS_DIR})
     if gpu and spec.tp > 1:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL between TP ranks
+    if real and cache.enabled:
+        mounts.append({"name": CACHE_VOLUME, "mountPath": cache.mount_path,
+                       "readOnly": cache.read_only})
     if mounts:
         container["volumeMounts"] = mounts
+    resources = kube.resources.manifest(kube.gpu_resource)
     if gpu and not mps:
-        container["resources"] = {"limits": {kube.gpu_resource: str(spec.tp)}}
+        resources["limits"] = {**resources.get("limits", {}), kube.gpu_resource: str(spec.tp)}
+    if resources:
+        container["resources"] = resources
+    security = _security_context(kube, ours=not real)
+    if security:
+        container["securityContext"] = security
     return container
 
 
@@ -193,7 +232,25 @@ def _mps_daemon(group: GroupSpec, kube: KubernetesSettings) -> dict[str, Any]:
         "startupProbe": {"exec": {"command": ["sh", "-c",
                                               "echo get_server_list | nvidia-cuda-mps-control"]},
                          "periodSeconds": 2, "failureThreshold": 30},
+        **({"securityContext": ctx} if (ctx := _security_context(kube, ours=False)) else {}),
     }
+
+
+def _pod_knobs(kube: KubernetesSettings, group: GroupSpec) -> dict[str, Any]:
+    """Scheduling and runtime fields of an engine pod from the user's cluster knobs."""
+    spec: dict[str, Any] = {
+        "nodeSelector": {**dict(sorted(kube.node_selector.items())),
+                         "kubernetes.io/hostname": group.node},
+    }
+    if kube.tolerations:
+        spec["tolerations"] = [t.manifest() for t in kube.tolerations]
+    if kube.runtime_class_name is not None:
+        spec["runtimeClassName"] = kube.runtime_class_name
+    if kube.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in kube.image_pull_secrets]
+    if kube.harden:
+        spec["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    return spec
 
 
 def render_group(group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
@@ -205,7 +262,7 @@ def render_group(group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
     labels: dict[str, str] = {**owner_labels(kube), LABEL_NAME: "scepsy-engine", LABEL_COMPONENT: "engine",
               LABEL_GROUP: group.id}
     spec: dict[str, Any] = {
-        "nodeSelector": {"kubernetes.io/hostname": group.node},
+        **_pod_knobs(kube, group),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
         "containers": [_engine_container(k, r, group, rollout, cluster, mps, gpu)
@@ -217,6 +274,13 @@ def render_group(group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
         volumes.append({"name": "mps", "emptyDir": {}})
     if gpu and any(r.spec.tp > 1 for r in group.replicas):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    cache = kube.model_cache
+    if gpu and cache.enabled:
+        source: dict[str, Any] = (
+            {"persistentVolumeClaim": {"claimName": cache.claim, "readOnly": cache.read_only}}
+            if cache.claim is not None
+            else {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})
+        volumes.append({"name": CACHE_VOLUME, **source})
     if volumes:
         spec["volumes"] = volumes
     pod = {

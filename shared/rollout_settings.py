@@ -4,8 +4,9 @@ Role: the schema of what the rollout needs beyond the cluster: per model, the en
 it, where its weights come from and the least memory it needs; an explicit allocation (replicas,
 tensor-parallel degree, GPU share per model) for when no search has run yet, optionally several
 named ones (``scenarios``, e.g. before and after a traffic shift); and the Kubernetes backend's
-namespace, images, ports and timeouts; the local backend's state folder, proxies, ports and
-timeouts (``local``).
+namespace, images, ports and timeouts, and the engine pods' scheduling knobs a real cluster needs (tolerations,
+``nodeSelector``, ``runtimeClassName``, image pull secrets, resources, a model-weights cache
+volume); the local backend's state folder, proxies, ports and timeouts (``local``).
 
 Invariants: decoded once by :func:`shared.settings_schema.decode`, frozen afterwards; a bad
 value raises :class:`SettingsError` naming its key path relative to ``rollout``; every model an
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,16 +29,35 @@ from shared.settings_schema import SettingsError, setting
 __all__ = [
     "AllocationEntry",
     "Engine",
+    "EngineResources",
     "KubernetesSettings",
     "LocalSettings",
+    "ModelCacheSettings",
     "ModelServing",
+    "Quantity",
     "RolloutSettings",
     "Scenario",
+    "Toleration",
 ]
 
 Engine = Literal["vllm", "sglang", "emulator"]
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+# A Kubernetes resource quantity ("4", "500m", "16Gi", "1.5"); YAML numbers are accepted too.
+_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[mkMGTPE])?$")
+# Set by the placement (whole GPUs per pod), never by the user's resources.
+_HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+Quantity = str | int | float
+
+
+def _empty() -> Mapping[str, Quantity]:
+    return types.MappingProxyType({})
+
+
+def _no_labels() -> Mapping[str, str]:
+    return types.MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,98 @@ class Scenario:
 
 
 @dataclass(frozen=True)
+class Toleration:
+    """One toleration of the engine pods (the pod spec's ``tolerations[]``), e.g. of the
+    ``nvidia.com/gpu:NoSchedule`` taint GPU node pools carry."""
+
+    key: str | None = setting(None, doc="taint key (null with operator Exists: every taint)")
+    operator: Literal["Equal", "Exists"] = setting("Equal", doc="Equal (key and value) or Exists")
+    value: str | None = setting(None, doc="taint value (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = setting(
+        None, doc="taint effect tolerated (null: every effect)"
+    )
+    toleration_seconds: int | None = setting(
+        None, doc="NoExecute only: how long the pod stays bound after the taint appears"
+    )
+
+    def __post_init__(self) -> None:
+        if self.operator == "Exists" and self.value is not None:
+            raise SettingsError("value", "must be null when operator is Exists")
+        if self.key is None and self.operator != "Exists":
+            raise SettingsError("key", "is required unless operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise SettingsError("toleration_seconds", "applies to effect NoExecute only")
+
+    def manifest(self) -> dict[str, object]:
+        """The toleration in the API's shape (null fields left out)."""
+        out: dict[str, object] = {"operator": self.operator}
+        for name, value in (("key", self.key), ("value", self.value), ("effect", self.effect),
+                            ("tolerationSeconds", self.toleration_seconds)):
+            if value is not None:
+                out[name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    """CPU, memory and other resources of every engine container, besides its GPUs (which
+    the placement sets). Values are Kubernetes quantities: ``cpu: 8``, ``memory: 64Gi``."""
+
+    requests: Mapping[str, Quantity] = setting(
+        factory=_empty, doc="resources each engine container requests (e.g. cpu, memory)"
+    )
+    limits: Mapping[str, Quantity] = setting(
+        factory=_empty, doc="resource limits of each engine container (e.g. memory)"
+    )
+
+    def __post_init__(self) -> None:
+        for part in ("requests", "limits"):
+            for name, value in getattr(self, part).items():
+                if isinstance(value, bool) or not _QUANTITY.match(str(value)):
+                    raise SettingsError(f"{part}.{name}", f"not a Kubernetes quantity: {value!r}")
+
+    def manifest(self, gpu_resource: str) -> dict[str, dict[str, str]]:
+        """``resources`` of a container in the API's shape (empty parts left out)."""
+        out = {part: {k: str(v) for k, v in sorted(getattr(self, part).items())}
+               for part in ("requests", "limits")}
+        for part, values in out.items():
+            if gpu_resource in values:
+                raise SettingsError(f"resources.{part}.{gpu_resource}",
+                                    "is set by the placement (whole GPUs per pod), not here")
+        return {part: values for part, values in out.items() if values}
+
+
+@dataclass(frozen=True)
+class ModelCacheSettings:
+    """A volume holding downloaded model weights, mounted into vllm/sglang engines at the
+    Hugging Face cache path (``HF_HOME``), so a restarted or moved replica does not download
+    its weights again. Set one of ``claim`` and ``host_path``; neither: no cache volume."""
+
+    claim: str | None = setting(
+        None, doc="PersistentVolumeClaim of the cache (ReadWriteMany when pods span nodes)"
+    )
+    host_path: str | None = setting(None, doc="a folder on each node used as the cache")
+    mount_path: str = setting(
+        "/root/.cache/huggingface", doc="where the cache is mounted; engines get HF_HOME set to it"
+    )
+    read_only: bool = setting(False, doc="mount read-only (weights pre-loaded; HF_HUB_OFFLINE=1)")
+
+    def __post_init__(self) -> None:
+        if self.claim is not None and self.host_path is not None:
+            raise SettingsError("host_path", "give claim or host_path, not both")
+        if self.claim is not None and not _DNS_SUBDOMAIN.match(self.claim):
+            raise SettingsError("claim", f"must be a DNS name (a-z, 0-9, -, .), got {self.claim!r}")
+        for key in ("host_path", "mount_path"):
+            value = getattr(self, key)
+            if value is not None and not value.startswith("/"):
+                raise SettingsError(key, f"must be an absolute path, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.claim is not None or self.host_path is not None
+
+
+@dataclass(frozen=True)
 class KubernetesSettings:
     """The Kubernetes backend: where engine pods go and what they run."""
 
@@ -125,7 +239,10 @@ class KubernetesSettings:
     service_port: int = setting(8000, doc="port of each replica's Service")
     vllm_image: str = setting("vllm/vllm-openai:v0.8.5", doc="image of vLLM engines")
     sglang_image: str = setting("lmsysorg/sglang:v0.4.6.post1-cu124", doc="image of SGLang engines")
-    emulator_image: str = setting("ghcr.io/scepsy/scepsy:0.1.0", doc="image with scepsy-engine")
+    emulator_image: str = setting(
+        "scepsy-optimizer:0.1.0",
+        doc="image with scepsy-engine (deploy/image/build.sh builds it; set your registry's name)",
+    )
     mps_image: str = setting(
         "nvidia/cuda:12.4.1-base-ubuntu22.04", doc="image providing nvidia-cuda-mps-control"
     )
@@ -138,8 +255,43 @@ class KubernetesSettings:
     )
     delete_timeout_s: float = setting(300.0, doc="longest a stopped pod may take to disappear")
     poll_interval_s: float = setting(2.0, doc="how often pod states are polled while waiting")
+    node_selector: Mapping[str, str] = setting(
+        factory=_no_labels,
+        doc="node labels engine pods require besides the placement's node "
+        "(kubernetes.io/hostname is set by the placement)",
+    )
+    tolerations: tuple[Toleration, ...] = setting(
+        factory=tuple, doc="tolerations of engine pods (e.g. of GPU node pools' taints)"
+    )
+    runtime_class_name: str | None = setting(
+        None, doc="RuntimeClass of engine pods, e.g. nvidia where it is not the default runtime"
+    )
+    image_pull_secrets: tuple[str, ...] = setting(
+        factory=tuple, doc="names of Secrets engine pods pull their images with"
+    )
+    resources: EngineResources = setting(
+        factory=EngineResources, doc="CPU and memory of every engine container"
+    )
+    model_cache: ModelCacheSettings = setting(
+        factory=ModelCacheSettings, doc="a volume caching model weights across engine restarts"
+    )
+    harden: bool = setting(
+        True,
+        doc="engine containers run without privilege escalation, with every capability dropped "
+        "and the RuntimeDefault seccomp profile (the emulator also as non-root on a read-only "
+        "root file system); false: the images' defaults, for GPU setups that need more",
+    )
 
     def __post_init__(self) -> None:
+        if _HOSTNAME_LABEL in self.node_selector:
+            raise SettingsError(f"node_selector.{_HOSTNAME_LABEL}", "is set by the placement")
+        names = [(f"image_pull_secrets[{i}]", n) for i, n in enumerate(self.image_pull_secrets)]
+        if self.runtime_class_name is not None:
+            names.append(("runtime_class_name", self.runtime_class_name))
+        for key, value in names:
+            if len(value) > 253 or not _DNS_SUBDOMAIN.match(value):
+                raise SettingsError(key, f"must be a DNS name (a-z, 0-9, -, .), got {value!r}")
+        self.resources.manifest(self.gpu_resource)  # a GPU count here is refused
         for key in ("namespace", "owner", "routes_configmap"):
             value = getattr(self, key)
             if len(value) > 63 or not _DNS_LABEL.match(value):

@@ -185,7 +185,7 @@ class ProxySettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The trace store: Parquet segments under one folder (or object-store URI)."""
+    """The trace store: Parquet segments under one local (or mounted) folder."""
 
     path: str = setting("scepsy-store", doc="folder holding calls/ and optimizer.duckdb")
     queue_size: int = setting(
@@ -197,6 +197,15 @@ class StoreSettings:
     def __post_init__(self) -> None:
         if not self.path:
             raise SettingsError("path", "must not be empty")
+        # Refused, not attempted: the writer renames segments into a local folder (an object
+        # store has no atomic rename), and DuckDB's httpfs extension is downloaded at run time,
+        # which offline clusters cannot; "s3://x" would silently become a local folder "s3:".
+        if "://" in self.path:
+            scheme = self.path.split("://", 1)[0]
+            raise SettingsError(
+                "path",
+                f"object storage ({scheme}://...) is not supported yet; mount a volume",
+            )
         for key in ("queue_size", "segment_rows"):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import orjson
 import pytest
 import yaml
 
@@ -20,7 +21,7 @@ from optimizer.render_cmd import target_for
 from shared.cluster import GB, Cluster, cluster_from_settings
 from shared.rollout_settings import RolloutSettings
 from shared.settings import load_settings
-from shared.settings_schema import decode
+from shared.settings_schema import SettingsError, decode
 from tests.optimizer.kube_fake import Crash, FakeKube
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
@@ -308,3 +309,116 @@ async def test_unsafe_plans_are_refused() -> None:
         await converge(kb, target_for(small, narrow, "both")[1])
     plan, _ = await converge(kb, target_for(small, narrow, "both")[1], allow_outage=True)
     assert plan.outages == ("a",)
+
+
+KNOBS = {
+    "node_selector": {"cloud.example.com/pool": "gpu"},
+    "tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "spot", "value": "true", "effect": "NoExecute", "toleration_seconds": 60},
+    ],
+    "runtime_class_name": "nvidia",
+    "image_pull_secrets": ["regcred"],
+    "resources": {"requests": {"cpu": 8, "memory": "64Gi"}, "limits": {"memory": "96Gi"}},
+    "model_cache": {"claim": "hf-cache"},
+}
+
+
+def test_cluster_knobs_reach_every_engine_pod_and_validate(
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
+    cluster, rollout = example
+    kube = decode(type(rollout.kubernetes), {"hf_token_secret": "hf-token", **KNOBS})
+    tuned = dataclasses.replace(rollout, kubernetes=kube)
+    _, target = target_for(cluster, tuned, None)
+    pods = [o for o in render_target(target, tuned, cluster) if o["kind"] == "Pod"]
+    assert pods
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+        spec = pod["spec"]
+        node = spec["nodeSelector"].pop("kubernetes.io/hostname")
+        assert node in {n.name for n in cluster.nodes}
+        assert spec["nodeSelector"] == {"cloud.example.com/pool": "gpu"}
+        assert spec["tolerations"] == [
+            {"operator": "Exists", "key": "nvidia.com/gpu", "effect": "NoSchedule"},
+            {
+                "operator": "Equal",
+                "key": "spot",
+                "value": "true",
+                "effect": "NoExecute",
+                "tolerationSeconds": 60,
+            },
+        ]
+        assert spec["runtimeClassName"] == "nvidia"
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert {
+            "name": "model-cache",
+            "persistentVolumeClaim": {"claimName": "hf-cache", "readOnly": False},
+        } in spec["volumes"]
+        for c in spec["containers"]:
+            assert c["resources"]["requests"] == {"cpu": "8", "memory": "64Gi"}
+            assert c["resources"]["limits"]["memory"] == "96Gi"
+            assert {
+                "name": "model-cache",
+                "mountPath": "/root/.cache/huggingface",
+                "readOnly": False,
+            } in c["volumeMounts"]
+            assert {"name": "HF_HOME", "value": "/root/.cache/huggingface"} in c["env"]
+        for c in spec["containers"] + spec.get("initContainers", []):
+            ctx = c["securityContext"]
+            assert ctx["capabilities"] == {"drop": ["ALL"]}
+            assert ctx["allowPrivilegeEscalation"] is False
+    # GPU limits stay the placement's: an unshared TP-2 engine holds exactly its two GPUs.
+    tp2 = next(
+        p
+        for p in pods
+        if "initContainers" not in p["spec"]
+        and len(orjson.loads(p["metadata"]["annotations"]["scepsy.io/group-spec"])["gpus"]) == 2
+    )
+    assert tp2["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_emulated_engines_run_as_non_root_on_a_read_only_root(
+    example: tuple[Cluster, RolloutSettings],
+) -> None:
+    cluster, rollout = example
+    kube = decode(type(rollout.kubernetes), {"model_cache": {"host_path": "/srv/hf"}})
+    fake = dataclasses.replace(emulated(rollout), kubernetes=kube)
+    _, target = target_for(cluster, fake, None)
+    pods = [o for o in render_target(target, fake, cluster) if o["kind"] == "Pod"]
+    for pod in pods:
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+        assert "volumes" not in pod["spec"]  # no GPU, no MPS, no weights to cache
+        for c in pod["spec"]["containers"]:
+            assert c["image"] == "scepsy-optimizer:0.1.0"
+            assert c["securityContext"]["runAsNonRoot"] is True
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert "volumeMounts" not in c
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (
+            {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+            "resources.limits.nvidia.com/gpu: is set by the placement",
+        ),
+        (
+            {"node_selector": {"kubernetes.io/hostname": "n0"}},
+            "node_selector.kubernetes.io/hostname: is set by the placement",
+        ),
+        (
+            {"resources": {"requests": {"memory": "lots"}}},
+            "resources.requests.memory: not a Kubernetes quantity",
+        ),
+        (
+            {"model_cache": {"claim": "c", "host_path": "/x"}},
+            "model_cache.host_path: give claim or host_path, not both",
+        ),
+        ({"tolerations": [{"value": "x"}]}, r"tolerations\[0\].key: is required"),
+        ({"image_pull_secrets": ["Reg_Cred"]}, r"image_pull_secrets\[0\]: must be a DNS name"),
+    ],
+)
+def test_bad_cluster_knobs_name_their_key(knobs: dict[str, Any], message: str) -> None:
+    with pytest.raises(SettingsError, match=f"^rollout.kubernetes.{message}"):
+        decode(RolloutSettings, {"kubernetes": knobs}, "rollout")
