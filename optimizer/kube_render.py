@@ -99,17 +99,57 @@ def engine_command(
     """The engine's command line for one replica."""
     fraction = f"{min(0.95, spec.memory_bytes_per_gpu / gpu_memory_bytes):.3f}"
     if serving.engine == "vllm":
-        cmd = ["vllm", "serve", serving.weights, "--served-model-name", serving.name,
-               "--tensor-parallel-size", str(spec.tp), "--gpu-memory-utilization", fraction,
-               "--host", "0.0.0.0", "--port", str(port)]
+        cmd = [
+            "vllm",
+            "serve",
+            serving.weights,
+            "--served-model-name",
+            serving.name,
+            "--tensor-parallel-size",
+            str(spec.tp),
+            "--gpu-memory-utilization",
+            fraction,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ]
     elif serving.engine == "sglang":
-        cmd = ["python3", "-m", "sglang.launch_server", "--model-path", serving.weights,
-               "--served-model-name", serving.name, "--tp-size", str(spec.tp),
-               "--mem-fraction-static", fraction, "--host", "0.0.0.0", "--port", str(port)]
+        cmd = [
+            "python3",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            serving.weights,
+            "--served-model-name",
+            serving.name,
+            "--tp-size",
+            str(spec.tp),
+            "--mem-fraction-static",
+            fraction,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ]
     else:
-        cmd = ["scepsy-engine", "--model", serving.weights, "--served-model-name", serving.name,
-               "--gpu", gpu_type, "--tp", str(spec.tp), "--share", f"{spec.share:g}",
-               "--host", "0.0.0.0", "--port", str(port)]
+        cmd = [
+            "scepsy-engine",
+            "--model",
+            serving.weights,
+            "--served-model-name",
+            serving.name,
+            "--gpu",
+            gpu_type,
+            "--tp",
+            str(spec.tp),
+            "--share",
+            f"{spec.share:g}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ]
     return cmd + list(serving.extra_args)
 
 
@@ -126,38 +166,83 @@ def _security_context(kube: KubernetesSettings, ours: bool) -> dict[str, Any] | 
     the emulator) also runs as its non-root user on a read-only root file system."""
     if not kube.harden:
         return None
-    ctx: dict[str, Any] = {"allowPrivilegeEscalation": False,
-                           "capabilities": {"drop": ["ALL"]},
-                           "seccompProfile": {"type": "RuntimeDefault"}}
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     if ours:
-        ctx.update({"runAsNonRoot": True, "runAsUser": NONROOT_UID,
-                    "runAsGroup": NONROOT_UID, "readOnlyRootFilesystem": True})
+        ctx.update(
+            {
+                "runAsNonRoot": True,
+                "runAsUser": NONROOT_UID,
+                "runAsGroup": NONROOT_UID,
+                "readOnlyRootFilesystem": True,
+            }
+        )
     return ctx
 
 
 def _group_json(group: GroupSpec) -> str:
-    return orjson.dumps({
-        "id": group.id, "node": group.node, "gpus": list(group.gpus),
-        "replicas": [{"id": r.id, "model": r.spec.model, "gpus": list(r.spec.gpus),
-                      "share": r.spec.share, "memory_bytes_per_gpu": r.spec.memory_bytes_per_gpu,
-                      "revision": r.spec.revision} for r in group.replicas],
-    }, option=orjson.OPT_SORT_KEYS).decode()
+    return orjson.dumps(
+        {
+            "id": group.id,
+            "node": group.node,
+            "gpus": list(group.gpus),
+            "replicas": [
+                {
+                    "id": r.id,
+                    "model": r.spec.model,
+                    "gpus": list(r.spec.gpus),
+                    "share": r.spec.share,
+                    "memory_bytes_per_gpu": r.spec.memory_bytes_per_gpu,
+                    "revision": r.spec.revision,
+                }
+                for r in group.replicas
+            ],
+        },
+        option=orjson.OPT_SORT_KEYS,
+    ).decode()
 
 
 def group_from_pod(pod: dict[str, Any]) -> GroupSpec:
     """The group a rendered pod holds (from its annotation); ``ValueError`` if malformed."""
     try:
         raw = orjson.loads(pod["metadata"]["annotations"][ANNOTATION_GROUP])
-        return GroupSpec(raw["id"], raw["node"], tuple(raw["gpus"]), tuple(
-            Replica(r["id"], ReplicaSpec(r["model"], raw["node"], tuple(r["gpus"]), r["share"],
-                                         r["memory_bytes_per_gpu"], r["revision"]))
-            for r in raw["replicas"]))
+        return GroupSpec(
+            raw["id"],
+            raw["node"],
+            tuple(raw["gpus"]),
+            tuple(
+                Replica(
+                    r["id"],
+                    ReplicaSpec(
+                        r["model"],
+                        raw["node"],
+                        tuple(r["gpus"]),
+                        r["share"],
+                        r["memory_bytes_per_gpu"],
+                        r["revision"],
+                    ),
+                )
+                for r in raw["replicas"]
+            ),
+        )
     except (KeyError, TypeError, orjson.JSONDecodeError) as exc:
-        raise ValueError(f"pod {pod.get('metadata', {}).get('name')}: bad group annotation") from exc
+        raise ValueError(
+            f"pod {pod.get('metadata', {}).get('name')}: bad group annotation"
+        ) from exc
 
 
-def _engine_container(k: int, replica: Replica, group: GroupSpec, rollout: RolloutSettings,
-                      cluster: Cluster, mps: bool, gpu: bool) -> dict[str, Any]:
+def _engine_container(
+    k: int,
+    replica: Replica,
+    group: GroupSpec,
+    rollout: RolloutSettings,
+    cluster: Cluster,
+    mps: bool,
+    gpu: bool,
+) -> dict[str, Any]:
     kube = rollout.kubernetes
     spec = replica.spec
     serving = rollout.model(spec.model)
@@ -166,15 +251,19 @@ def _engine_container(k: int, replica: Replica, group: GroupSpec, rollout: Rollo
     env: list[tuple[str, str]] = []
     if gpu:
         local = [group.gpus.index(g) for g in spec.gpus]
-        env += [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
-                ("NVIDIA_VISIBLE_DEVICES", ",".join(map(str, group.gpus))),
-                ("CUDA_VISIBLE_DEVICES", ",".join(map(str, local)))]
+        env += [
+            ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+            ("NVIDIA_VISIBLE_DEVICES", ",".join(map(str, group.gpus))),
+            ("CUDA_VISIBLE_DEVICES", ",".join(map(str, local))),
+        ]
     if mps:
         limit = ",".join(f"{i}={spec.memory_bytes_per_gpu // MIB}M" for i in range(spec.tp))
-        env += [("CUDA_MPS_PIPE_DIRECTORY", f"{MPS_DIR}/pipe"),
-                ("CUDA_MPS_LOG_DIRECTORY", f"{MPS_DIR}/log"),
-                ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, round(spec.share * 100)))),
-                ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit)]
+        env += [
+            ("CUDA_MPS_PIPE_DIRECTORY", f"{MPS_DIR}/pipe"),
+            ("CUDA_MPS_LOG_DIRECTORY", f"{MPS_DIR}/log"),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(max(1, round(spec.share * 100)))),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit),
+        ]
     container: dict[str, Any] = {
         "name": f"engine-{k}",
         "image": _image(serving, kube),
@@ -183,14 +272,21 @@ def _engine_container(k: int, replica: Replica, group: GroupSpec, rollout: Rollo
         "env": _env(env),
         # Cold starts take minutes (calibration.md): the startup probe allows the whole
         # ready_timeout_s before the kubelet restarts the engine.
-        "startupProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10,
-                         "failureThreshold": max(1, int(kube.ready_timeout_s // 10))},
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 10,
+            "failureThreshold": max(1, int(kube.ready_timeout_s // 10)),
+        },
         "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5},
     }
     real = serving.engine != "emulator"
     if gpu and real and kube.hf_token_secret:
-        container["env"].append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": kube.hf_token_secret, "key": "HF_TOKEN"}}})
+        container["env"].append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": kube.hf_token_secret, "key": "HF_TOKEN"}},
+            }
+        )
     cache = kube.model_cache
     if real and cache.enabled:
         container["env"].append({"name": "HF_HOME", "value": cache.mount_path})
@@ -202,8 +298,9 @@ def _engine_container(k: int, replica: Replica, group: GroupSpec, rollout: Rollo
     if gpu and spec.tp > 1:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL between TP ranks
     if real and cache.enabled:
-        mounts.append({"name": CACHE_VOLUME, "mountPath": cache.mount_path,
-                       "readOnly": cache.read_only})
+        mounts.append(
+            {"name": CACHE_VOLUME, "mountPath": cache.mount_path, "readOnly": cache.read_only}
+        )
     if mounts:
         container["volumeMounts"] = mounts
     resources = kube.resources.manifest(kube.gpu_resource)
@@ -223,15 +320,21 @@ def _mps_daemon(group: GroupSpec, kube: KubernetesSettings) -> dict[str, Any]:
         "image": kube.mps_image,
         "restartPolicy": "Always",
         "command": ["nvidia-cuda-mps-control", "-f"],
-        "env": _env([("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
-                     ("NVIDIA_VISIBLE_DEVICES", ",".join(map(str, group.gpus))),
-                     ("CUDA_MPS_PIPE_DIRECTORY", f"{MPS_DIR}/pipe"),
-                     ("CUDA_MPS_LOG_DIRECTORY", f"{MPS_DIR}/log")]),
+        "env": _env(
+            [
+                ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+                ("NVIDIA_VISIBLE_DEVICES", ",".join(map(str, group.gpus))),
+                ("CUDA_MPS_PIPE_DIRECTORY", f"{MPS_DIR}/pipe"),
+                ("CUDA_MPS_LOG_DIRECTORY", f"{MPS_DIR}/log"),
+            ]
+        ),
         "resources": {"limits": {kube.gpu_resource: str(len(group.gpus))}},
         "volumeMounts": [{"name": "mps", "mountPath": MPS_DIR}],
-        "startupProbe": {"exec": {"command": ["sh", "-c",
-                                              "echo get_server_list | nvidia-cuda-mps-control"]},
-                         "periodSeconds": 2, "failureThreshold": 30},
+        "startupProbe": {
+            "exec": {"command": ["sh", "-c", "echo get_server_list | nvidia-cuda-mps-control"]},
+            "periodSeconds": 2,
+            "failureThreshold": 30,
+        },
         **({"securityContext": ctx} if (ctx := _security_context(kube, ours=False)) else {}),
     }
 
@@ -239,8 +342,10 @@ def _mps_daemon(group: GroupSpec, kube: KubernetesSettings) -> dict[str, Any]:
 def _pod_knobs(kube: KubernetesSettings, group: GroupSpec) -> dict[str, Any]:
     """Scheduling and runtime fields of an engine pod from the user's cluster knobs."""
     spec: dict[str, Any] = {
-        "nodeSelector": {**dict(sorted(kube.node_selector.items())),
-                         "kubernetes.io/hostname": group.node},
+        "nodeSelector": {
+            **dict(sorted(kube.node_selector.items())),
+            "kubernetes.io/hostname": group.node,
+        },
     }
     if kube.tolerations:
         spec["tolerations"] = [t.manifest() for t in kube.tolerations]
@@ -253,20 +358,27 @@ def _pod_knobs(kube: KubernetesSettings, group: GroupSpec) -> dict[str, Any]:
     return spec
 
 
-def render_group(group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
-                 ) -> list[dict[str, Any]]:
+def render_group(
+    group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
+) -> list[dict[str, Any]]:
     """The Pod of one GPU group, then one Service per replica."""
     kube = rollout.kubernetes
     gpu = any(rollout.model(r.spec.model).engine != "emulator" for r in group.replicas)
     mps = gpu and group.shared
-    labels: dict[str, str] = {**owner_labels(kube), LABEL_NAME: "scepsy-engine", LABEL_COMPONENT: "engine",
-              LABEL_GROUP: group.id}
+    labels: dict[str, str] = {
+        **owner_labels(kube),
+        LABEL_NAME: "scepsy-engine",
+        LABEL_COMPONENT: "engine",
+        LABEL_GROUP: group.id,
+    }
     spec: dict[str, Any] = {
         **_pod_knobs(kube, group),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
-        "containers": [_engine_container(k, r, group, rollout, cluster, mps, gpu)
-                       for k, r in enumerate(group.replicas)],
+        "containers": [
+            _engine_container(k, r, group, rollout, cluster, mps, gpu)
+            for k, r in enumerate(group.replicas)
+        ],
     }
     volumes: list[dict[str, Any]] = []
     if mps:
@@ -279,28 +391,47 @@ def render_group(group: GroupSpec, rollout: RolloutSettings, cluster: Cluster
         source: dict[str, Any] = (
             {"persistentVolumeClaim": {"claimName": cache.claim, "readOnly": cache.read_only}}
             if cache.claim is not None
-            else {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})
+            else {"hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+        )
         volumes.append({"name": CACHE_VOLUME, **source})
     if volumes:
         spec["volumes"] = volumes
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": pod_name(group.id), "namespace": kube.namespace, "labels": labels,
-                     "annotations": {ANNOTATION_GROUP: _group_json(group)}},
+        "metadata": {
+            "name": pod_name(group.id),
+            "namespace": kube.namespace,
+            "labels": labels,
+            "annotations": {ANNOTATION_GROUP: _group_json(group)},
+        },
         "spec": spec,
     }
     selector = {**owner_labels(kube), LABEL_GROUP: group.id}
-    services: list[dict[str, Any]] = [{
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": service_name(r.id), "namespace": kube.namespace,
-                     "labels": {**labels, LABEL_REPLICA: r.id},
-                     "annotations": {ANNOTATION_MODEL: r.spec.model}},
-        "spec": {"selector": selector,
-                 "ports": [{"name": "http", "port": kube.service_port, "protocol": "TCP",
-                            "targetPort": kube.engine_port + k}]},
-    } for k, r in enumerate(group.replicas)]
+    services: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": service_name(r.id),
+                "namespace": kube.namespace,
+                "labels": {**labels, LABEL_REPLICA: r.id},
+                "annotations": {ANNOTATION_MODEL: r.spec.model},
+            },
+            "spec": {
+                "selector": selector,
+                "ports": [
+                    {
+                        "name": "http",
+                        "port": kube.service_port,
+                        "protocol": "TCP",
+                        "targetPort": kube.engine_port + k,
+                    }
+                ],
+            },
+        }
+        for k, r in enumerate(group.replicas)
+    ]
     return [pod, *services]
 
 
@@ -310,15 +441,22 @@ def render_routes(routes: Sequence[tuple[str, str]], kube: KubernetesSettings) -
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": kube.routes_configmap, "namespace": kube.namespace,
-                     "labels": {**owner_labels(kube), LABEL_NAME: "scepsy-routes",
-                                LABEL_COMPONENT: "routes"}},
+        "metadata": {
+            "name": kube.routes_configmap,
+            "namespace": kube.namespace,
+            "labels": {
+                **owner_labels(kube),
+                LABEL_NAME: "scepsy-routes",
+                LABEL_COMPONENT: "routes",
+            },
+        },
         "data": {ROUTES_KEY: orjson.dumps({"upstreams": upstreams}).decode()},
     }
 
 
-def render_target(target: Sequence[GroupSpec], rollout: RolloutSettings, cluster: Cluster
-                  ) -> list[dict[str, Any]]:
+def render_target(
+    target: Sequence[GroupSpec], rollout: RolloutSettings, cluster: Cluster
+) -> list[dict[str, Any]]:
     """Every object of a fully rolled-out target: pods, services, routes to every replica."""
     kube = rollout.kubernetes
     objects = [obj for g in target for obj in render_group(g, rollout, cluster)]

@@ -156,8 +156,12 @@ class Toleration:
     def manifest(self) -> dict[str, object]:
         """The toleration in the API's shape (null fields left out)."""
         out: dict[str, object] = {"operator": self.operator}
-        for name, value in (("key", self.key), ("value", self.value), ("effect", self.effect),
-                            ("tolerationSeconds", self.toleration_seconds)):
+        for name, value in (
+            ("key", self.key),
+            ("value", self.value),
+            ("effect", self.effect),
+            ("tolerationSeconds", self.toleration_seconds),
+        ):
             if value is not None:
                 out[name] = value
         return out
@@ -183,12 +187,16 @@ class EngineResources:
 
     def manifest(self, gpu_resource: str) -> dict[str, dict[str, str]]:
         """``resources`` of a container in the API's shape (empty parts left out)."""
-        out = {part: {k: str(v) for k, v in sorted(getattr(self, part).items())}
-               for part in ("requests", "limits")}
+        out = {
+            part: {k: str(v) for k, v in sorted(getattr(self, part).items())}
+            for part in ("requests", "limits")
+        }
         for part, values in out.items():
             if gpu_resource in values:
-                raise SettingsError(f"resources.{part}.{gpu_resource}",
-                                    "is set by the placement (whole GPUs per pod), not here")
+                raise SettingsError(
+                    f"resources.{part}.{gpu_resource}",
+                    "is set by the placement (whole GPUs per pod), not here",
+                )
         return {part: values for part, values in out.items() if values}
 
 
@@ -313,7 +321,9 @@ class LocalSettings:
         doc="folder holding one JSON file per running GPU group (pids, ports, URLs), so a "
         "restarted daemon adopts the engines it left running; relative to the working directory",
     )
-    log_dir: str | None = setting(None, doc="folder of the engines' log files (null: state_dir/logs)")
+    log_dir: str | None = setting(
+        None, doc="folder of the engines' log files (null: state_dir/logs)"
+    )
     node: str | None = setting(
         None,
         doc="this machine's node name in cluster.nodes; groups placed on other nodes are refused "
@@ -341,9 +351,7 @@ class LocalSettings:
     stop_grace_s: float = setting(
         30.0, doc="after SIGTERM, how long an engine gets to exit before SIGKILL"
     )
-    request_timeout_s: float = setting(
-        5.0, doc="timeout of one health check or admin API call"
-    )
+    request_timeout_s: float = setting(5.0, doc="timeout of one health check or admin API call")
     push_attempts: int = setting(3, doc="attempts per proxy to push a route table")
     poll_interval_s: float = setting(0.5, doc="how often health and drain state are polled")
 
@@ -358,7 +366,9 @@ class LocalSettings:
                 raise SettingsError("last_port", f"must be at least first_port ({self.first_port})")
         for i, url in enumerate(self.proxies):
             if not url.startswith(("http://", "https://")):
-                raise SettingsError(f"proxies[{i}]", f"must start with http:// or https://, got {url!r}")
+                raise SettingsError(
+                    f"proxies[{i}]", f"must start with http:// or https://, got {url!r}"
+                )
         if not self.mps_control:
             raise SettingsError("mps_control", "must not be empty")
         for key in ("ready_timeout_s", "stop_grace_s", "request_timeout_s", "poll_interval_s"):
