@@ -1,11 +1,12 @@
 """This node's GPUs from NVML: types, memory and NVLink domains, rendered as a ``cluster:`` section.
 
 Role: the only code that asks the NVIDIA driver about hardware. ``read_node`` takes the NVML
-binding as a parameter (default: the ``pynvml`` module), so tests hand it a fake module object.
+binding as a parameter (default: the ``pynvml`` module of the ``nvidia-ml-py`` distribution), so
+tests hand it a fake module object.
 
 Invariants:
-- without an NVIDIA driver (no ``libnvidia-ml``, driver not loaded, or ``pynvml`` missing) it
-  raises :class:`InventoryError` with one plain sentence, never an NVML traceback;
+- without an NVIDIA driver (no ``libnvidia-ml``, driver not loaded, or ``nvidia-ml-py`` missing)
+  it raises :class:`InventoryError` with one plain sentence, never an NVML traceback;
 - NVLink peers are the pairs whose ``nvmlDeviceGetP2PStatus(a, b, NVML_P2P_CAPS_INDEX_NVLINK)``
   is OK (what vLLM uses); a query that fails counts as "no NVLink". Domains are the connected
   components of that relation, so NVSwitch systems come out as one domain and bridged pairs
@@ -16,8 +17,8 @@ Invariants:
 from __future__ import annotations
 
 import importlib
+import re
 import socket
-import warnings
 from typing import Any
 
 import yaml
@@ -27,7 +28,8 @@ from shared.cluster import Cluster, Gpu, Node, NvlinkDomain, settings_mapping
 __all__ = ["InventoryError", "gpu_type_name", "read_node", "render_settings"]
 
 # Words in NVML product names that say nothing about the GPU model.
-_NOISE = ("nvidia", "geforce", "tesla", "quadro", "rtx")
+_NOISE = frozenset({"nvidia", "geforce", "tesla", "quadro"})
+_WORKSTATION_A = re.compile(r"a\d+")  # "RTX A6000": the RTX brand adds nothing to A-series names
 
 
 class InventoryError(RuntimeError):
@@ -35,10 +37,17 @@ class InventoryError(RuntimeError):
 
 
 def gpu_type_name(product: str) -> str:
-    """The short type name settings and profiles use: ``NVIDIA RTX A6000`` → ``a6000``,
-    ``NVIDIA H100 80GB HBM3`` → ``h100``, ``NVIDIA A100-SXM4-80GB`` → ``a100``."""
-    words = [w for w in product.lower().replace("-", " ").split() if w not in _NOISE]
-    return words[0] if words else product.strip().lower() or "unknown"
+    """The type name settings and profiles use, one per NVML product name: lower case, the
+    brand words dropped, the rest joined by ``-``. The variant words stay, because they change
+    the memory bandwidth and size a profile depends on: ``NVIDIA RTX A6000`` → ``a6000``,
+    ``NVIDIA H100 80GB HBM3`` (SXM) → ``h100-80gb-hbm3``, ``NVIDIA H100 PCIe`` → ``h100-pcie``,
+    ``NVIDIA H100 NVL`` → ``h100-nvl``, ``NVIDIA A100-SXM4-80GB`` → ``a100-sxm4-80gb``,
+    ``NVIDIA RTX PRO 6000 Blackwell Server Edition`` →
+    ``rtx-pro-6000-blackwell-server-edition``."""
+    words = [w for w in re.split(r"[\s\-_/]+", product.lower()) if w and w not in _NOISE]
+    if len(words) > 1 and words[0] == "rtx" and _WORKSTATION_A.fullmatch(words[1]):
+        words = words[1:]
+    return "-".join(words) or "unknown"
 
 
 def _text(value: Any) -> str:
@@ -48,14 +57,11 @@ def _text(value: Any) -> str:
 
 def _nvml_module() -> Any:
     try:
-        with warnings.catch_warnings():
-            # The "pynvml" distribution warns that it is deprecated in favour of nvidia-ml-py,
-            # which provides the same module; the warning is not the user's business here.
-            warnings.simplefilter("ignore", FutureWarning)
-            return importlib.import_module("pynvml")
+        return importlib.import_module("pynvml")
     except ImportError as exc:
         raise InventoryError(
-            "the pynvml package is not installed, so NVIDIA GPUs cannot be inventoried"
+            "the nvidia-ml-py package (module pynvml) is not installed, so NVIDIA GPUs cannot "
+            "be inventoried: pip install 'scepsy[optimizer]'"
         ) from exc
 
 

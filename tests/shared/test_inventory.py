@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shared.cluster import Cluster, ClusterSettings, cluster_from_settings
 from shared.inventory import InventoryError, gpu_type_name, read_node, render_settings
@@ -110,7 +112,7 @@ def test_domains_are_connected_components_and_unlinked_gpus_stand_alone() -> Non
     )
     node = read_node(nvml, node_name="h")
     assert [d.indices for d in node.domains] == [(0, 1, 2, 4), (3,)]
-    assert node.gpus[0].type == "h100"
+    assert node.gpus[0].type == "h100-80gb-hbm3"
 
 
 def test_rendered_settings_decode_back_to_the_same_cluster() -> None:
@@ -126,15 +128,28 @@ def test_rendered_settings_decode_back_to_the_same_cluster() -> None:
     ("product", "short"),
     [
         ("NVIDIA RTX A6000", "a6000"),
-        ("NVIDIA H100 80GB HBM3", "h100"),
-        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),
         ("NVIDIA H200", "h200"),
-        ("Tesla V100-SXM2-16GB", "v100"),
-        ("NVIDIA GeForce RTX 4090", "4090"),
+        ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "rtx-pro-6000-blackwell-server-edition"),
     ],
 )
 def test_gpu_type_names(product: str, short: str) -> None:
     assert gpu_type_name(product) == short
+
+
+@given(st.text(max_size=60))
+def test_gpu_type_names_are_settings_safe_and_keep_distinct_variants(product: str) -> None:
+    # Any NVML answer gives a name usable as a settings value and a profile key: one line,
+    # no spaces; and two products that differ in a variant word never share a name.
+    name = gpu_type_name(product)
+    assert name and name == name.strip() and not any(c.isspace() for c in name)
+    assert gpu_type_name(product + " PCIe") != gpu_type_name(product + " SXM5")
 
 
 def test_no_driver_is_a_plain_error() -> None:
@@ -192,5 +207,5 @@ def test_missing_pynvml_package(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(name, package)
 
     monkeypatch.setattr(importlib, "import_module", no_pynvml)
-    with pytest.raises(InventoryError, match="pynvml package is not installed"):
+    with pytest.raises(InventoryError, match=r"nvidia-ml-py package .* is not installed"):
         read_node()
