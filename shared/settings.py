@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +50,9 @@ class UpstreamSettings:
     model: str = setting(doc="model name clients send in the `model` field")
     url: str = setting(doc="base URL of the engine, e.g. http://10.0.0.5:8000 (no /v1)")
     api_key: str | None = setting(
-        None, doc="key sent upstream instead of the client's Authorization (null: pass through)"
+        None,
+        doc="key sent upstream instead of the client's Authorization (null: pass through); "
+        "os.environ/NAME or ${NAME} reads it from the environment",
     )
 
     def __post_init__(self) -> None:
@@ -143,10 +146,14 @@ class ProxySettings:
     )
     routing: RoutingSettings = setting(factory=RoutingSettings, doc="replica choice")
     admin_token: str | None = setting(
-        None, doc="bearer token for /admin/routes (null: the admin API is disabled)"
+        None,
+        doc="bearer token for /admin/routes (null: the admin API is disabled); "
+        "os.environ/NAME or ${NAME} reads it from the environment",
     )
     client_keys: tuple[str, ...] = setting(
-        factory=tuple, doc="if not empty, clients must send one of these as their bearer key"
+        factory=tuple,
+        doc="if not empty, clients must send one of these as their bearer key; each may be "
+        "os.environ/NAME or ${NAME}",
     )
     max_body_bytes: int = setting(16 * 1024 * 1024, doc="largest request body accepted (413 above)")
     connect_timeout_s: float = setting(5.0, doc="upstream connect timeout")
@@ -162,6 +169,17 @@ class ProxySettings:
     record_bodies: bool = setting(
         True, doc="keep request bodies in the store (profiling replays them)"
     )
+    access_log: bool = setting(
+        False,
+        doc="log one line per proxied call (method, path, status, model, workflow, upstream, "
+        "duration_ms) on the scepsy.proxy.access logger; off costs nothing per call",
+    )
+    metrics_max_workflows: int = setting(
+        50,
+        doc="distinct workflow label values in /metrics: the first this many seen (plus "
+        "proxy.default_workflow and the workflows rollout.allocation names); later ones are "
+        "counted as `other`, so client-chosen names cannot grow /metrics without bound",
+    )
 
     def __post_init__(self) -> None:
         parse_host_port(self.listen, "listen")
@@ -172,6 +190,8 @@ class ProxySettings:
                 raise SettingsError(key, "must be positive")
         if self.shutdown_grace_s < 0:
             raise SettingsError("shutdown_grace_s", "must not be negative")
+        if self.metrics_max_workflows < 0:
+            raise SettingsError("metrics_max_workflows", "must not be negative")
         seen: set[tuple[str, str]] = set()
         for i, up in enumerate(self.upstreams):
             if (up.model, up.url) in seen:
@@ -230,13 +250,14 @@ class Settings:
     )
 
 
-def settings_from_mapping(data: Any) -> Settings:
-    """Decode an already-parsed YAML document."""
-    return decode(Settings, data)
+def settings_from_mapping(data: Any, env: Mapping[str, str] | None = os.environ) -> Settings:
+    """Decode an already-parsed YAML document; string values naming an environment variable
+    (``os.environ/NAME``, ``${NAME}``) take its value from ``env`` (None: kept as written)."""
+    return decode(Settings, data, env=env)
 
 
 def load_settings(path: str | Path) -> Settings:
-    """Read and validate one YAML settings file."""
+    """Read and validate one YAML settings file (environment references resolved)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:

@@ -9,18 +9,33 @@ Invariants:
   :class:`SettingsError` whose ``path`` is the full dotted/indexed key (``proxy.upstreams[1].url``);
 - a section's own ``__post_init__`` checks raise :class:`SettingsError` with a path relative to
   that section; the decoder prefixes it, so the user still sees the full path;
-- nothing here touches the file system: loading the YAML file lives in ``shared.settings``.
+- nothing here touches the file system: loading the YAML file lives in ``shared.settings``;
+- a string value that is wholly an environment-variable reference (``os.environ/NAME``, as
+  LiteLLM writes it, or ``${NAME}``) is replaced by that variable's value, here and only here,
+  when the caller hands :func:`decode` an environment (the settings file loader does; the
+  admin API does not, so a remote caller cannot read the proxy's environment); an unset
+  variable is an error naming the key path and the variable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
+
+# The two spellings of an environment-variable reference; the whole value must be one.
+_ENV_REF = re.compile(r"os\.environ/([A-Za-z_][A-Za-z0-9_]*)|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+ENV_HELP = (
+    "Any string value (tokens and keys above all: proxy.admin_token, proxy.client_keys, "
+    "proxy.upstreams[].api_key, rollout.local.admin_token) may be an environment-variable "
+    "reference, os.environ/NAME or ${NAME}, resolved when the file is loaded; an unset "
+    "variable is an error naming the key."
+)
 
 
 class SettingsError(ValueError):
@@ -41,6 +56,28 @@ class SettingsError(ValueError):
         return SettingsError(f"{prefix}{joiner}{self.path}", self.message)
 
 
+def env_reference(value: str) -> str | None:
+    """The variable ``value`` refers to when it is wholly ``os.environ/NAME`` or ``${NAME}``."""
+    match = _ENV_REF.fullmatch(value)
+    if match is None:
+        return None
+    return match.group(1) or match.group(2)
+
+
+def resolve_env(value: str, env: Mapping[str, str] | None, path: str) -> str:
+    """``value`` with an environment-variable reference replaced by the variable's value
+    (``env`` None: taken literally); an unset variable raises naming ``path``."""
+    if env is None:
+        return value
+    name = env_reference(value)
+    if name is None:
+        return value
+    resolved = env.get(name)
+    if resolved is None:
+        raise SettingsError(path, f"environment variable {name} is not set")
+    return resolved
+
+
 def setting(default: Any = dataclasses.MISSING, *, doc: str, factory: Any = None) -> Any:
     """A documented dataclass field. ``doc`` is shown by ``scepsy-proxy --help-settings``."""
     if factory is not None:
@@ -56,7 +93,7 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _decode(tp: Any, value: Any, path: str) -> Any:
+def _decode(tp: Any, value: Any, path: str, env: Mapping[str, str] | None) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -69,7 +106,7 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _decode(arg, value, path)
+                return _decode(arg, value, path, env)
             except SettingsError as exc:
                 errors.append(exc)
         raise (
@@ -90,19 +127,19 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise SettingsError(path, f"expected a list, got {type(value).__name__}")
         (item_tp, *_rest) = get_args(tp) or (Any,)
-        return tuple(_decode(item_tp, item, f"{path}[{i}]") for i, item in enumerate(value))
+        return tuple(_decode(item_tp, item, f"{path}[{i}]", env) for i, item in enumerate(value))
     if origin is dict or origin is Mapping:
         if not isinstance(value, Mapping):
             raise SettingsError(path, f"expected a mapping, got {type(value).__name__}")
         key_tp, val_tp = get_args(tp) or (str, Any)
         return types.MappingProxyType(
             {
-                _decode(key_tp, k, path): _decode(val_tp, v, _join(path, str(k)))
+                _decode(key_tp, k, path, None): _decode(val_tp, v, _join(path, str(k)), env)
                 for k, v in value.items()
             }
         )
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return decode(tp, value, path)
+        return decode(tp, value, path, env)
     if tp is bool:
         if not isinstance(value, bool):
             raise SettingsError(path, f"expected true or false, got {value!r}")
@@ -118,12 +155,13 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise SettingsError(path, f"expected a string, got {value!r}")
-        return value
+        return resolve_env(value, env, path)
     raise SettingsError(path, f"unsupported settings type {_type_name(tp)}")  # pragma: no cover
 
 
-def decode(cls: type[T], data: Any, path: str = "") -> T:
-    """Build the frozen dataclass ``cls`` from a YAML mapping, or raise a path-naming error."""
+def decode(cls: type[T], data: Any, path: str = "", env: Mapping[str, str] | None = None) -> T:
+    """Build the frozen dataclass ``cls`` from a YAML mapping, or raise a path-naming error.
+    With ``env`` (``os.environ``), string values that reference a variable take its value."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -138,7 +176,7 @@ def decode(cls: type[T], data: Any, path: str = "") -> T:
     kwargs: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
-            kwargs[name] = _decode(hints[name], data[name], _join(path, name))
+            kwargs[name] = _decode(hints[name], data[name], _join(path, name), env)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise SettingsError(_join(path, name), "required key is missing")
     try:
@@ -147,14 +185,64 @@ def decode(cls: type[T], data: Any, path: str = "") -> T:
         raise exc.under(path) from None
 
 
-def describe(cls: type[Any], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key path, type, doc) for every field of ``cls`` and its nested sections."""
-    rows: list[tuple[str, str, str]] = []
+class SettingDoc(NamedTuple):
+    """One row of ``--help-settings``."""
+
+    key: str
+    type: str
+    default: str  # as it would be written in the YAML file; "(required)" when there is none
+    doc: str
+
+
+def _help_type(tp: Any) -> str:
+    """A type as the YAML file sees it: ``list[str]``, ``a | b`` for a choice, ``int | null``."""
+    origin = get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(map(str, get_args(tp)))
+    if origin in (Union, types.UnionType):
+        return " | ".join("null" if a is type(None) else _help_type(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = [a for a in get_args(tp) if a is not Ellipsis]
+        return f"list[{_help_type(args[0]) if args else 'any'}]"
+    if origin is dict or origin is Mapping:
+        key, val = get_args(tp) or (str, Any)
+        return f"map[{_help_type(key)}, {_help_type(val)}]"
+    if dataclasses.is_dataclass(tp):
+        return "section"
+    return _type_name(tp)
+
+
+def _default_text(field: dataclasses.Field[Any]) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return ""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    if isinstance(value, Mapping):
+        return "{}" if not value else str(dict(value))
+    if isinstance(value, str):
+        return value if value else '""'
+    return str(value)
+
+
+def describe(cls: type[Any], prefix: str = "") -> list[SettingDoc]:
+    """(key path, type, default, doc) for every field of ``cls`` and its nested sections."""
+    rows: list[SettingDoc] = []
     hints = get_type_hints(cls)
     for field in dataclasses.fields(cls):
         tp = hints[field.name]
         key = _join(prefix, field.name)
-        rows.append((key, _type_name(tp), str(field.metadata.get("doc", ""))))
+        doc = str(field.metadata.get("doc", ""))
+        rows.append(SettingDoc(key, _help_type(tp), _default_text(field), doc))
         inner = [
             a
             for a in (get_args(tp) or (tp,))
