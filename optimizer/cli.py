@@ -18,6 +18,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from shared import logs
+from shared.version import add_version_argument
+
 # name -> (module, one-line help). The help lives here so that listing the commands imports
 # none of them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,9 +86,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scepsy", description="Scepsy optimizer: statistics, profiles, plans, rollouts."
     )
+    add_version_argument(parser)
+    # No default level here: the daemon (run) logs INFO, the one-shot commands WARNING.
+    logs.add_arguments(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=text, description=text)
+        add_version_argument(sub_parser)
+        logs.add_arguments(sub_parser, "INFO" if name == "run" else "WARNING", defaults=False)
         if name == command:
             _module(name).add_arguments(sub_parser)
     return parser
@@ -94,6 +102,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_chosen(words)).parse_args(words)
+    logs.configure_from_args(args, "INFO" if args.command == "run" else "WARNING")
     try:
         code: int = _module(args.command).run(args)
     except UsageError as exc:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from typing import Any
@@ -35,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: optimizer.listen)")
     parser.add_argument("--once", action="store_true",
                         help="run one pass, print its decision as JSON, and exit")
-    parser.add_argument("--log-level", default="INFO")
+    # --log-level and --log-format: every subcommand has them (optimizer.cli, shared.logs).
 
 
 def make_backend(settings: Settings) -> Backend:
@@ -88,7 +87,6 @@ async def _once(settings: Settings, backend: Backend) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         settings = load_settings(args.config)
         listen = args.listen or settings.optimizer.listen

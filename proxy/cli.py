@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from proxy.app import make_app
+from shared import logs
 from shared.settings import (
     Settings,
     SettingsError,
@@ -26,6 +27,8 @@ from shared.settings import (
     parse_host_port,
     settings_from_mapping,
 )
+from shared.settings_schema import ENV_HELP
+from shared.version import add_version_argument
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,8 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="trace store folder")
     p.add_argument("--workflow", help="default workflow name for calls that name none")
     p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
-    p.add_argument("--help-settings", action="store_true", help="list every settings key and exit")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--help-settings",
+        action="store_true",
+        help="list every settings key with its type, default and meaning, and exit",
+    )
+    logs.add_arguments(p)
+    add_version_argument(p)
     return p
 
 
@@ -88,7 +96,9 @@ def _merge(base: Settings, proxy: dict[str, object], args: argparse.Namespace) -
         doc["proxy"]["routing"]["policy"] = args.routing
     if args.store:
         doc["store"]["path"] = args.store
-    return settings_from_mapping(doc)
+    # The file's values were resolved when it was loaded: a secret that happens to read like
+    # a reference must not be looked up a second time.
+    return settings_from_mapping(doc, env=None)
 
 
 async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
@@ -134,12 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.help_settings:
         from shared.settings import Settings as Root
 
-        for key, tp, doc in describe(Root):
-            print(f"{key:42} {tp:28} {doc}")
+        print(f"{'key':42} {'type':28} {'default':24} meaning")
+        for row in describe(Root):
+            print(f"{row.key:42} {row.type:28} {row.default:24} {row.doc}")
+        print(f"\n{ENV_HELP}")
         return 0
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logs.configure_from_args(args)
     try:
         settings = settings_from_args(args)
     except SettingsError as exc:

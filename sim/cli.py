@@ -10,12 +10,13 @@ Bad flags exit with status 2 and one line naming the problem, never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 
 from aiohttp import web
 
+from shared import logs
+from shared.version import add_version_argument
 from sim.emulator import make_app
 from sim.perf import GPUS, MODELS
 from sim.serving import EmulatorConfig
@@ -51,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="batch size bound (256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per step bound (8192)")
-    p.add_argument("--log-level", default="WARNING", help="logging level (WARNING)")
+    logs.add_arguments(p, "WARNING")
+    add_version_argument(p)
     return p
 
 
@@ -67,7 +69,7 @@ def config_from(args: argparse.Namespace) -> EmulatorConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logs.configure_from_args(args)
     try:
         if args.speedup <= 0:
             raise ValueError("--speedup must be positive")
