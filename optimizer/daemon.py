@@ -22,6 +22,8 @@ Invariants:
   refused too (a workflow below ``min_requests`` may still use it);
 - a workflow once planned for keeps its last trusted pipeline: a model whose calls are all
   still running (calls are recorded when they end) is not taken for a model it stopped using;
+- every pass logs one line with its decision's kind, outcome and reasons (INFO; WARNING for an
+  error or a failed rollout);
 - a failed pass or rollout is logged and recorded; the loop keeps going. Cancelling the loop
   (SIGTERM) interrupts at most one await: engines keep running, and the next daemon resumes.
 """
@@ -197,6 +199,7 @@ class Daemon:
             decision, self.state = judge(self.state, det, None, self.cfg)
             report = replace(seen, decision=decision)
         await self._record(report)
+        _log_decision(report)
         self.ticks += 1
         self.last = report
         self.last_tick_end = time.monotonic()
@@ -366,6 +369,27 @@ class Daemon:
         return ok, {"status": "ok" if ok else "stalled", "ticks": self.ticks,
                     "errors": self.errors, "seconds_since_last_pass": age,
                     "last_decision": None if self.last is None else self.last.decision.kind}
+
+
+def _log_decision(report: TickReport) -> None:
+    """One line per pass: what was decided, what came of it, and why."""
+    d = report.decision
+    bad = d.kind == "error" or (report.outcome or "").startswith("failed")
+    log.log(
+        logging.WARNING if bad else logging.INFO,
+        "decision %s%s: %s",
+        d.kind,
+        f" ({report.outcome})" if report.outcome else "",
+        "; ".join(d.reasons) or "no reasons given",
+        extra={
+            "event": "decision",
+            "kind": d.kind,
+            "taken": d.taken,
+            "outcome": report.outcome,
+            "reasons": list(d.reasons),
+            "gain": _num(d.gain),
+        },
+    )
 
 
 def _num(x: float | None) -> float | None:

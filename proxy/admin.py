@@ -6,12 +6,15 @@ new table atomically. Replicas no longer listed drain: no new calls, in-flight o
 
 Invariants: with no ``admin_token`` in settings the API answers 404 (it does not exist); a wrong
 or missing token is 401; a bad table is a 400 naming the key path, and changes nothing; the
-token comparison is constant-time. ``api_key`` values are never echoed back.
+token comparison is constant-time. ``api_key`` values are never echoed back. Every accepted
+table is logged (INFO, ``scepsy.proxy.admin``): upstream counts old → new, overall and per model.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+from collections import Counter
 
 import orjson
 from aiohttp import web
@@ -20,6 +23,8 @@ from proxy.app import ROUTER, SETTINGS
 from proxy.errors import BadRequest, ProxyError, RouteNotFound, Unauthorized
 from shared.settings import ProxySettings, UpstreamSettings
 from shared.settings_schema import SettingsError, decode
+
+log = logging.getLogger("scepsy.proxy.admin")
 
 
 def _authorise(request: web.Request) -> None:
@@ -67,7 +72,31 @@ async def put_routes(request: web.Request) -> web.Response:
         upstreams = parse_routes(data)
     except ProxyError as exc:
         return exc.response()
-    request.app[ROUTER].replace(upstreams)
+    router = request.app[ROUTER]
+    before = Counter(r.model for r in router.replicas() if not r.draining)
+    old = {(r.model, r.url) for r in router.replicas() if not r.draining}
+    router.replace(upstreams)
+    after = Counter(up.model for up in upstreams)
+    new = {(up.model, up.url) for up in upstreams}
+    per_model = ", ".join(f"{m} {before[m]}→{after[m]}" for m in sorted(before | after))
+    log.info(
+        "routes swapped via the admin API: %d → %d upstreams (%d added, %d draining), "
+        "version %d; %s",
+        sum(before.values()),
+        len(upstreams),
+        len(new - old),
+        len(old - new),
+        router.version,
+        per_model or "no models",
+        extra={
+            "event": "routes",
+            "upstreams_before": sum(before.values()),
+            "upstreams_after": len(upstreams),
+            "added": len(new - old),
+            "removed": len(old - new),
+            "routes_version": router.version,
+        },
+    )
     return _respond(request)
 
 

@@ -9,6 +9,13 @@ Invariants:
   session) is started and stopped by ``cleanup_ctx``, in an order that lets shutdown drain
   in-flight calls first and flush their records last;
 - the proxy never waits for the control plane: it serves with the routes it was last given.
+
+Health: ``/health/live`` answers 200 whenever the event loop does (a liveness probe);
+``/health/ready`` answers 200 only when the route table has an upstream and the trace store
+takes writes (the recorder's last write did not fail recently, and the segment folder takes a
+file now), else 503 with ``reasons``. ``/health`` is kept as it was (always 200, with models
+and routes version) for existing probes and scripts; new deployments should probe the two
+above.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import AccessLoggingMetrics, ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Replica, Router
 from proxy.upstream import UpstreamClient
@@ -93,9 +100,7 @@ async def _prober_ctx(app: web.Application) -> AsyncIterator[None]:
             if due:
                 results = await asyncio.gather(*(_probe(session, r, interval) for r in due))
                 for rep, ok in zip(due, results, strict=True):
-                    router.probe_result(rep, ok)
-                    if ok:
-                        log.info("replica %s of %s is back", rep.url, rep.model)
+                    router.probe_result(rep, ok)  # logs the re-admission
 
     task = asyncio.create_task(loop(), name="scepsy-prober")
     yield
@@ -113,6 +118,38 @@ async def health(request: web.Request) -> web.Response:
             "models": router.models(),
             "routes_version": router.version,
         }
+    )
+
+
+async def health_live(request: web.Request) -> web.Response:
+    """The event loop answers: the process is alive (never depends on upstreams or store)."""
+    return _json({"status": "live", "proxy_id": request.app[PROXY_ID]})
+
+
+async def health_ready(request: web.Request) -> web.Response:
+    """200 when calls can be served and recorded; 503 with the reasons otherwise."""
+    app = request.app
+    router, recorder = app[ROUTER], app[RECORDER]
+    reasons: list[str] = []
+    if not router.models():
+        reasons.append("no routes: the route table has no upstream")
+    # A failed write counts for a few flush intervals; past that, with no traffic to write,
+    # the folder check alone says whether the store works again.
+    failed = recorder.failing(max(30.0, 3 * app[SETTINGS].store.flush_interval_s))
+    if failed is not None:
+        reasons.append(f"the trace store's last write failed: {failed}")
+    unwritable = await asyncio.to_thread(recorder.check_writable)
+    if unwritable is not None:
+        reasons.append(f"the trace store is not writable: {unwritable}")
+    return _json(
+        {
+            "status": "not ready" if reasons else "ready",
+            "reasons": reasons,
+            "proxy_id": app[PROXY_ID],
+            "models": router.models(),
+            "routes_version": router.version,
+        },
+        status=503 if reasons else 200,
     )
 
 
@@ -154,6 +191,16 @@ async def list_models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": list(merged.values())})
 
 
+def _named_workflows(settings: Settings) -> set[str]:
+    """Workflows the settings name: they always get a metrics label of their own."""
+    rollout = settings.rollout
+    entries = [*rollout.allocation, *(e for sc in rollout.scenarios for e in sc.allocation)]
+    named = {e.workflow for e in entries if e.workflow != "*"}
+    if settings.proxy.default_workflow:
+        named.add(settings.proxy.default_workflow)
+    return named
+
+
 def make_app(settings: Settings) -> web.Application:
     """The proxy application for ``settings``; serve it with ``handler_cancellation=True`` so a
     client that hangs up cancels its upstream call (``proxy.cli`` does)."""
@@ -170,11 +217,19 @@ def make_app(settings: Settings) -> web.Application:
         settings.proxy.upstreams,
         on_eject=lambda rep: app[METRICS].ejections.labels(rep.model, rep.url).inc(),
     )
-    app[METRICS] = ProxyMetrics(app[ROUTER], recorder)
+    metrics_class = AccessLoggingMetrics if settings.proxy.access_log else ProxyMetrics
+    app[METRICS] = metrics_class(
+        app[ROUTER],
+        recorder,
+        max_workflows=settings.proxy.metrics_max_workflows,
+        known_workflows=_named_workflows(settings),
+    )
     # Order matters: started first, stopped last. The recorder outlives the session and the
     # prober, so records of calls cut at shutdown are still written.
     app.cleanup_ctx.extend([_recorder_ctx, _session_ctx, _prober_ctx])
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", health_live)
+    app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/w/{workflow}/v1/models", list_models)

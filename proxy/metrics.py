@@ -8,11 +8,22 @@ on the hot path.
 Invariants: label children are cached per label tuple, so a call costs dict lookups, not the
 client library's label validation; the registry is private to the app, so several proxies (and
 tests) in one process never collide.
+
+The ``workflow`` label is bounded: clients choose workflow names, and each new one would be a
+new series forever (5,000 ids made a 21 MB /metrics). The first ``max_workflows`` names seen,
+plus those the settings name, keep their own label; every later one is counted as
+:data:`OTHER`. A name is admitted once, so the check is one dict lookup per call; admitted names
+are made valid UTF-8 (a client's undecodable bytes reach us as lone surrogates, which the
+exposition could not encode) and cut to :data:`MAX_LABEL_CHARS`.
+
+:class:`AccessLoggingMetrics` adds the access log (``proxy.access_log``) by overriding
+:meth:`ProxyMetrics.observe`: with the log off the plain class runs, at no cost per call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +34,16 @@ from proxy.recorder import Recorder
 from proxy.router import Router
 from shared import metric_names as names
 from shared.records import CallRecord
+
+OTHER = "other"  # the workflow label of every name past the first max_workflows
+MAX_LABEL_CHARS = 200
+access_log = logging.getLogger("scepsy.proxy.access")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value /metrics can always encode: valid UTF-8, bounded length."""
+    return text[:MAX_LABEL_CHARS].encode("utf-8", "replace").decode("utf-8")
+
 
 # Latency buckets from sub-millisecond (embeddings through a fast proxy) to long generations.
 _BUCKETS = (
@@ -85,7 +106,19 @@ class _StateCollector(Collector):
 
 
 class ProxyMetrics:
-    def __init__(self, router: Router, recorder: Recorder) -> None:
+    def __init__(
+        self,
+        router: Router,
+        recorder: Recorder,
+        *,
+        max_workflows: int = 50,
+        known_workflows: Iterable[str] = (),
+    ) -> None:
+        # Raw workflow name → its label; "" is calls without a workflow (and rejected calls).
+        self._workflows: dict[str, str] = {"": ""}
+        for name in known_workflows:
+            self._workflows[name] = label_value(name)
+        self._workflow_room = max_workflows
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -147,9 +180,29 @@ class ProxyMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def workflow_label(self, workflow: str | None) -> str:
+        """The ``workflow`` label value of a call: its own name while fewer than
+        ``max_workflows`` names have been admitted (or the settings name it), else ``other``."""
+        name = workflow or ""
+        label = self._workflows.get(name)
+        if label is None:
+            if self._workflow_room <= 0:
+                return OTHER
+            self._workflow_room -= 1
+            label = self._workflows[name] = label_value(name)
+        return label
+
+    @property
+    def workflow_labels(self) -> int:
+        """Distinct workflow names with a label of their own (the bound's test reads it)."""
+        return len(self._workflows)
+
     def observe(self, rec: CallRecord, status: int) -> None:
         """One finished logical call (its last attempt)."""
-        wf, model = rec.workflow or "", rec.model
+        model = rec.model
+        wf = self._workflows.get(rec.workflow or "")
+        if wf is None:
+            wf = self.workflow_label(rec.workflow)
         key = (wf, model)
         per_call = self._per_call.get(key)
         if per_call is None:
@@ -176,3 +229,30 @@ class ProxyMetrics:
 
     def upstream_error(self, model: str, upstream: str, code: str) -> None:
         self._child(self.upstream_errors, model, upstream, code).inc()
+
+
+class AccessLoggingMetrics(ProxyMetrics):
+    """:class:`ProxyMetrics` that also logs each finished call on ``scepsy.proxy.access``
+    (``proxy.access_log``): method, path, status, model, workflow, upstream, duration_ms."""
+
+    def observe(self, rec: CallRecord, status: int) -> None:
+        super().observe(rec, status)
+        duration_ms = None if rec.t_end is None else round((rec.t_end - rec.t_start) / 1e3, 1)
+        access_log.info(
+            "POST %s %d model=%s workflow=%s upstream=%s duration_ms=%s",
+            rec.endpoint,
+            status,
+            rec.model,
+            rec.workflow or "-",
+            rec.upstream or "-",
+            duration_ms,
+            extra={
+                "method": "POST",
+                "path": rec.endpoint,
+                "status": status,
+                "model": rec.model,
+                "workflow": rec.workflow,
+                "upstream": rec.upstream,
+                "duration_ms": duration_ms,
+            },
+        )

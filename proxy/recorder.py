@@ -19,7 +19,10 @@ Invariants:
   everything still buffered is written by :meth:`close` (graceful shutdown);
 - one writer thread at a time owns the DuckDB connection;
 - a call gets at most one open row, and only if it was still running a whole flush interval
-  after it began (short calls, the common case, cost no extra row).
+  after it began (short calls, the common case, cost no extra row);
+- the store's health for ``/health/ready`` is two facts: the last write did not fail recently
+  (:meth:`Recorder.failing`; a later write that succeeds clears it), and the segment folder
+  takes a small file now (:meth:`Recorder.check_writable`, blocking: run it in a thread).
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
 from shared.records import COLUMN_NAMES, CallRecord, now_us
 from shared.settings import StoreSettings
-from shared.store import SegmentWriter
+from shared.store import SegmentWriter, segment_dir
 
 log = logging.getLogger("scepsy.proxy.recorder")
 _row: Callable[[CallRecord], tuple[Any, ...]] = attrgetter(*COLUMN_NAMES)
@@ -55,6 +60,8 @@ class Recorder:
         self.dropped = 0
         self.segments = 0
         self.write_errors = 0
+        self.last_error: str | None = None  # of the last write, cleared by a successful one
+        self._failed_at: float | None = None  # monotonic time of that failed write
 
     @property
     def depth(self) -> int:
@@ -123,18 +130,45 @@ class Recorder:
             try:
                 assert self._writer is not None
                 await asyncio.to_thread(self._writer.write, batch)
-            except Exception:
+            except Exception as exc:
                 # A failing store must never take the data plane down: count, log, go on.
                 self.write_errors += 1
                 self.dropped += len(batch)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._failed_at = time.monotonic()
                 log.exception(
                     "could not write %d call records to %s", len(batch), self.settings.path
                 )
             else:
                 self.written += len(batch)
                 self.segments += 1
+                self.last_error, self._failed_at = None, None
             finally:
                 self._writing = 0
+
+    def failing(self, within_s: float) -> str | None:
+        """The last write's error if it failed less than ``within_s`` seconds ago, else None.
+        (Bounded in time: with no traffic no write comes to clear it, and the folder check
+        then says whether the store works again.)"""
+        if self._failed_at is None or time.monotonic() - self._failed_at >= within_s:
+            return None
+        return self.last_error
+
+    def check_writable(self) -> str | None:
+        """Why this proxy's segment folder cannot take a file now, or None when it can.
+        Blocking (a small file is written and removed): call it in a worker thread."""
+        folder = segment_dir(self.settings.path, self.proxy_id)
+        probe = folder / f".ready-{os.getpid()}.probe"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"ok")
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return f"cannot write to {folder}: {exc.strerror or exc}"
+        return None
 
     async def close(self) -> None:
         """Stop the background task after it has written everything still buffered.

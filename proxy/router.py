@@ -10,11 +10,13 @@ Invariants:
 - ``acquire``/``release`` are paired (the handler does it in ``try/finally``), so ``in_flight``
   is exact; a replica removed by a route update keeps serving its in-flight calls (draining)
   and is forgotten when the last one ends;
-- a route update keeps the state of replicas present before and after it (same model and URL).
+- a route update keeps the state of replicas present before and after it (same model and URL);
+- every ejection is logged (WARNING) and every re-admission (INFO), on ``scepsy.proxy.router``.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -24,6 +26,8 @@ from typing import Any
 
 from proxy.errors import ModelNotFound, NoReplica
 from shared.settings import RoutingSettings, UpstreamSettings
+
+log = logging.getLogger("scepsy.proxy.router")
 
 
 @dataclass(eq=False, slots=True)
@@ -192,8 +196,11 @@ class Router:
         preferred = min(
             (r for r in live if r.url in urls), key=lambda r: (r.in_flight, self._rng.random())
         )
-        return preferred if self.settings.keeps_affinity(preferred.in_flight, least.in_flight) \
+        return (
+            preferred
+            if self.settings.keeps_affinity(preferred.in_flight, least.in_flight)
             else least
+        )
 
     def has_alternative(self, model: str, tried: Sequence[Replica]) -> bool:
         """Whether an active replica of ``model`` is left that ``tried`` does not hold."""
@@ -218,6 +225,15 @@ class Router:
         if not rep.ejected and rep.failures >= self.settings.eject_after_failures:
             rep.ejected = True
             rep.retry_at = self._clock() + self.settings.eject_seconds
+            log.warning(
+                "replica %s of %s ejected after %d connection failures in a row; "
+                "probed again in %.0f s",
+                rep.url,
+                rep.model,
+                rep.failures,
+                self.settings.eject_seconds,
+                extra={"event": "eject", "model": rep.model, "upstream": rep.url},
+            )
             if self._on_eject is not None:
                 self._on_eject(rep)
 
@@ -227,6 +243,14 @@ class Router:
 
     def probe_result(self, rep: Replica, healthy: bool) -> None:
         if healthy:
+            was_ejected = rep.ejected
             rep.ejected, rep.failures = False, 0
+            if was_ejected:
+                log.info(
+                    "replica %s of %s is back: its /health answered, it takes calls again",
+                    rep.url,
+                    rep.model,
+                    extra={"event": "readmit", "model": rep.model, "upstream": rep.url},
+                )
         else:
             rep.retry_at = self._clock() + self.settings.probe_interval_s
