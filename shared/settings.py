@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -29,9 +31,11 @@ __all__ = [
     "SettingsError",
     "StoreSettings",
     "UpstreamSettings",
+    "UpstreamTlsSettings",
     "describe",
     "load_settings",
     "parse_host_port",
+    "split_upstream_url",
 ]
 
 
@@ -41,6 +45,33 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise SettingsError(key, f"expected HOST:PORT, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def split_upstream_url(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of an engine base URL, ``http[s]://host[:port]`` (the default
+    port filled in): the only shape the proxy can call, since it appends the client's own path.
+    Anything else raises ``ValueError`` saying what is wrong, in one line."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port out of 0-65535 or not a number
+    except ValueError as exc:
+        raise ValueError(f"must be http[s]://host[:port], got {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"must start with http:// or https://, got {url!r}")
+    if "@" in parts.netloc:
+        raise ValueError(f"must not hold credentials (user:pass@; use api_key), got {url!r}")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"names no host, got {url!r}")
+    if not host.isascii() or any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(f"host must be ASCII without spaces (IDN: its xn-- form), got {url!r}")
+    if port == 0:
+        raise ValueError(f"port must be between 1 and 65535, got {url!r}")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ValueError(f"must not have a query or fragment, got {url!r}")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"must not have a path (no /v1: clients' paths are appended), got {url!r}")
+    return parts.scheme, host, port or (443 if parts.scheme == "https" else 80)
 
 
 @dataclass(frozen=True)
@@ -58,8 +89,13 @@ class UpstreamSettings:
     def __post_init__(self) -> None:
         if not self.model:
             raise SettingsError("model", "must not be empty")
-        if not self.url.startswith(("http://", "https://")):
-            raise SettingsError("url", f"must start with http:// or https://, got {self.url!r}")
+        try:
+            split_upstream_url(self.url)
+        except ValueError as exc:
+            raise SettingsError("url", str(exc)) from None
+        if self.api_key is not None and not self.api_key.isprintable():
+            # It goes out in a header: a line break would smuggle another one.
+            raise SettingsError("api_key", "must be printable (no line breaks or controls)")
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
@@ -133,6 +169,30 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
+class UpstreamTlsSettings:
+    """How the proxy checks the certificates of https:// upstreams."""
+
+    verify: bool = setting(
+        True,
+        doc="verify https:// upstreams' certificates and host names (false: any certificate is "
+        "accepted, for testing only)",
+    )
+    ca_file: str | None = setting(
+        None,
+        doc="PEM file of the CA certificates trusted for https:// upstreams (null: the "
+        "system's trust store)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.ca_file is not None:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=self.ca_file)
+            except OSError as exc:
+                why = exc.strerror or str(exc)  # ssl.SSLError is an OSError without strerror
+                raise SettingsError("ca_file", f"cannot load {self.ca_file!r}: {why}") from None
+
+
+@dataclass(frozen=True)
 class ProxySettings:
     """The sidecar proxy (data plane)."""
 
@@ -162,6 +222,9 @@ class ProxySettings:
     )
     read_timeout_s: float = setting(
         300.0, doc="longest silence between two chunks of an upstream response"
+    )
+    upstream_tls: UpstreamTlsSettings = setting(
+        factory=UpstreamTlsSettings, doc="certificate checks for https:// upstreams"
     )
     shutdown_grace_s: float = setting(
         30.0, doc="on SIGTERM, how long in-flight calls may take to finish before they are cut"
