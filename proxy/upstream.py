@@ -1,10 +1,11 @@
 """A lean keep-alive HTTP/1.1 client for the proxy's calls to engine replicas.
 
 Role: send one request to an engine (vLLM/SGLang behind uvicorn) and hand back its response
-head and body pieces, with pooled connections per ``(host, port)``. It replaces
+head and body pieces, with pooled connections per ``(scheme, host, port)``. It replaces
 ``aiohttp.ClientSession`` on the proxy's hot path, where that costs about a quarter of the
-proxy's CPU per call; it speaks only what engines speak: plain ``http``, ``Content-Length``
-or chunked bodies (SSE), or bodies that end when the connection closes.
+proxy's CPU per call; it speaks only what engines speak: ``http`` or ``https`` (TLS, checked
+with the caller's ``ssl.SSLContext``), ``Content-Length`` or chunked bodies (SSE), or bodies
+that end when the connection closes.
 
 Invariants:
 - one connection carries one exchange at a time; it returns to the pool only when its
@@ -12,10 +13,15 @@ Invariants:
   response; anything else (cancellation, an unread body, a malformed or over-long answer,
   stray bytes) closes it, so no byte of one exchange can ever reach another;
 - failures before any response byte are :class:`UpstreamConnectError` (the engine never
-  answered: safe to retry elsewhere); a reused pooled connection failing that way is retried
+  answered: safe to retry elsewhere; :class:`UpstreamTLSError` when the TLS handshake failed);
+  a reused pooled connection failing that way is retried
   once on a fresh connection before the caller sees anything; failures after a response byte
   are :class:`UpstreamProtocolError`; silence past ``read_timeout_s`` or an exchange past
   ``total_timeout_s`` is :class:`TimeoutError`;
+- header values go out as the bytes they came in as: a ``str`` decoded by aiohttp (UTF-8, with
+  undecodable bytes as lone surrogates) is encoded back the same way, so nothing is lost or
+  re-coded on the way; a value that cannot be written is :class:`UpstreamRequestError`
+  (a ``ValueError``), raised before any connection is used;
 - each connection owns at most one timer handle, re-armed only when it fires, serving the
   read, total and idle timeouts alike; each wait is one future, woken by the protocol;
 - at most ``_HIGH_WATER`` bytes of unread body are buffered before reading pauses, and
@@ -25,9 +31,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
-from urllib.parse import urlsplit
 
 from multidict import CIMultiDictProxy
 
@@ -38,21 +44,45 @@ from proxy.upstream_wire import (
     Target,
     UpstreamConnectError,
     UpstreamProtocolError,
+    UpstreamTLSError,
     UpstreamUnanswered,
 )
+from shared.settings import split_upstream_url
 
 __all__ = [
     "UpstreamClient",
     "UpstreamConnectError",
     "UpstreamProtocolError",
+    "UpstreamRequestError",
     "UpstreamResponse",
+    "UpstreamTLSError",
     "UpstreamUnanswered",
+    "tls_context",
 ]
 
 # Headers the client writes itself; a caller's copy would contradict the framing.
 _RESERVED = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 _RESERVED_LENGTHS = frozenset(map(len, _RESERVED))  # most names skip the lower() this way
 _MAX_CACHED_LINES = 1024
+# A TLS connection the proxy closes waits this long for the engine's close_notify before it is
+# dropped: the engine needs no goodbye (it aborts the request either way), and shutdown must
+# not wait on a silent peer for asyncio's default 30 s.
+_TLS_SHUTDOWN_S = 1.0
+
+
+class UpstreamRequestError(ValueError):
+    """The request cannot be written as given (a header with a line break, or a value that
+    has no bytes): the caller's input, refused before anything is sent."""
+
+
+def tls_context(verify: bool = True, ca_file: str | None = None) -> ssl.SSLContext:
+    """The client context for ``https://`` upstreams: the system's trust store or ``ca_file``,
+    host names checked; ``verify=False`` accepts any certificate (testing only)."""
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 class _Body:
@@ -158,14 +188,16 @@ class UpstreamClient:
         total_timeout_s: float = 600.0,
         idle_timeout_s: float = 30.0,
         max_idle_per_host: int = 1024,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.total_timeout_s = total_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_host = max_idle_per_host
+        self._ssl_context = ssl_context  # None: the default one, made at the first https call
         self._targets: dict[str, Target] = {}  # by base URL
-        self._by_address: dict[tuple[str, int], Target] = {}
+        self._by_address: dict[tuple[str, str, int], Target] = {}
         self._lines: dict[tuple[str, str], bytes] = {}
         self._conns: set[Connection] = set()
         self._closed = False
@@ -182,10 +214,12 @@ class UpstreamClient:
         """Send ``method path`` to ``base_url`` and return once the response head is in.
 
         Raises :class:`UpstreamConnectError` when no response byte came back (connect
-        refused or timed out, connection closed unanswered), :class:`UpstreamProtocolError`
-        for a malformed or cut response head, :class:`TimeoutError` for a silent engine and
-        ``ValueError`` for a URL other than ``http://host[:port]`` or a header holding a line
-        break. Cancellation closes the connection.
+        refused or timed out, TLS handshake failed (:class:`UpstreamTLSError`), connection
+        closed unanswered), :class:`UpstreamProtocolError` for a malformed or cut response
+        head, :class:`TimeoutError` for a silent engine, :class:`UpstreamRequestError` for a
+        header that cannot be written (a line break, a value with no bytes) and
+        ``ValueError`` for a URL other than ``http[s]://host[:port]``. Cancellation closes
+        the connection.
         """
         if self._closed:
             raise RuntimeError("UpstreamClient is closed")
@@ -237,20 +271,23 @@ class UpstreamClient:
     # -- internals -----------------------------------------------------------------------
 
     def _target(self, base_url: str) -> Target:
-        url = urlsplit(base_url)
-        if url.scheme != "http":
-            raise ValueError(f"only http:// upstreams are supported, not {base_url!r}")
-        if not url.hostname or url.path not in ("", "/") or url.query or url.username:
-            raise ValueError(f"upstream URL must be http://host[:port], not {base_url!r}")
-        port = url.port or 80
-        host = url.hostname
-        target = self._by_address.get((host, port))
-        if target is None:  # one pool per (host, port), however the URL spells it
+        try:
+            scheme, host, port = split_upstream_url(base_url)
+        except ValueError as exc:  # the settings refuse such URLs; said again for other callers
+            raise ValueError(f"upstream URL {exc}") from None
+        target = self._by_address.get((scheme, host, port))
+        if target is None:  # one pool per (scheme, host, port), however the URL spells it
             shown = f"[{host}]" if ":" in host else host
-            target = Target(host, port, f"Host: {shown}:{port}\r\n".encode("latin-1"))
-            self._by_address[(host, port)] = target
+            line = f"Host: {shown}:{port}\r\n".encode("ascii")
+            target = Target(host, port, line, tls=scheme == "https")
+            self._by_address[(scheme, host, port)] = target
         self._targets[base_url] = target
         return target
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            self._ssl_context = tls_context()
+        return self._ssl_context
 
     def _line(self, method: str, path: str) -> bytes:
         if not method.isalpha() or not path.startswith("/") or any(c in path for c in " \r\n"):
@@ -272,8 +309,18 @@ class UpstreamClient:
             return made[-1]
 
         try:
-            async with asyncio.timeout_at(at):
-                _, conn = await loop.create_connection(factory, target.host, target.port)
+            async with asyncio.timeout_at(at):  # the TLS handshake included
+                if target.tls:
+                    _, conn = await loop.create_connection(
+                        factory,
+                        target.host,
+                        target.port,
+                        ssl=self._tls(),
+                        server_hostname=target.host,
+                        ssl_shutdown_timeout=_TLS_SHUTDOWN_S,
+                    )
+                else:
+                    _, conn = await loop.create_connection(factory, target.host, target.port)
         except BaseException as exc:
             # A timeout or cancellation landing just as the connection was made must not
             # leave it open and unowned.
@@ -281,6 +328,9 @@ class UpstreamClient:
                 made_conn.close()
             if isinstance(exc, TimeoutError):
                 raise UpstreamConnectError(f"connect to {where} timed out") from exc
+            if isinstance(exc, ssl.SSLError):  # an OSError: told apart, it is a setup problem
+                why = getattr(exc, "verify_message", None) or exc.reason or exc
+                raise UpstreamTLSError(f"TLS handshake with {where} failed: {why}") from exc
             if isinstance(exc, OSError):
                 raise UpstreamConnectError(f"connect to {where} failed: {exc}") from exc
             raise
@@ -321,8 +371,11 @@ class UpstreamClient:
 
 
 def _encode_headers(headers: Iterable[tuple[str, str]]) -> bytes:
-    """``Name: value\\r\\n`` lines, latin-1; a line break inside a header is refused (it would
-    let a header smuggle another one, or a second request)."""
+    """``Name: value\\r\\n`` lines, each value the bytes it was received as (aiohttp decodes
+    header bytes as UTF-8 with ``surrogateescape``; encoding the same way restores them, and
+    costs what latin-1 does for ASCII). A line break inside a header is refused (it would let
+    a header smuggle another one, or a second request), as is a value with no bytes (a
+    surrogate aiohttp never makes)."""
     lines = [
         f"{k}: {v}\r\n"
         for k, v in headers
@@ -330,5 +383,10 @@ def _encode_headers(headers: Iterable[tuple[str, str]]) -> bytes:
     ]
     text = "".join(lines)
     if text.count("\n") != len(lines) or text.count("\r") != len(lines):
-        raise ValueError("header names and values must not contain line breaks")
-    return text.encode("latin-1")
+        raise UpstreamRequestError("header names and values must not contain line breaks")
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise UpstreamRequestError(
+            f"a header value holds {text[exc.start : exc.end]!r}, which has no bytes"
+        ) from None

@@ -43,20 +43,28 @@ class UpstreamProtocolError(Exception):
     """A malformed response, or the connection lost after the response had begun."""
 
 
+class UpstreamTLSError(UpstreamConnectError):
+    """The TLS handshake failed (certificate not trusted, wrong host name, not a TLS server):
+    nothing was sent, so it is as safe to retry as a refused connection, but it is a
+    configuration problem rather than a dead engine."""
+
+
 class UpstreamUnanswered(UpstreamProtocolError):
     """The connection closed after the request was written and before any response byte.
     The engine may have read the call (and died on it), so it must not be replayed elsewhere."""
 
 
 class Target:
-    """One upstream ``(host, port)``: its ``Host`` line and its idle connections (LIFO)."""
+    """One upstream ``(scheme, host, port)``: its ``Host`` line, whether it speaks TLS, and its
+    idle connections (LIFO)."""
 
-    __slots__ = ("host", "host_line", "idle", "port")
+    __slots__ = ("host", "host_line", "idle", "port", "tls")
 
-    def __init__(self, host: str, port: int, host_line: bytes) -> None:
+    def __init__(self, host: str, port: int, host_line: bytes, tls: bool = False) -> None:
         self.host = host
         self.port = port
         self.host_line = host_line
+        self.tls = tls
         self.idle: deque[Connection] = deque()
 
 

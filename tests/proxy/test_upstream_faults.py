@@ -289,7 +289,9 @@ def test_bad_arguments_are_value_errors(run: Run) -> None:
     async def body() -> None:
         client = UpstreamClient()
         with pytest.raises(ValueError, match="http://"):
-            await client.request("POST", "https://127.0.0.1:1", "/", [], b"")
+            await client.request("POST", "ftp://127.0.0.1:1", "/", [], b"")
+        with pytest.raises(ValueError, match="path"):
+            await client.request("POST", "http://127.0.0.1:1/v1", "/", [], b"")
         with pytest.raises(ValueError, match="line breaks"):
             await client.request("POST", "http://127.0.0.1:1", "/", [("X", "a\r\nB: c")], b"")
         with pytest.raises(ValueError, match="request line"):
