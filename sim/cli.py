@@ -27,31 +27,48 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scepsy-engine",
         description="An emulated LLM engine speaking vLLM's OpenAI-compatible API. Its "
-                    "timings come from Scepsy's performance model, not from a GPU.")
+        "timings come from Scepsy's performance model, not from a GPU.",
+    )
     p.add_argument("--model", required=True, choices=sorted(MODELS), help="model spec name")
     p.add_argument("--gpu", default="a100", choices=sorted(GPUS), help="GPU type (a100)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1)")
     p.add_argument("--share", type=float, default=1.0, help="fraction of each GPU, 0-1 (1.0)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (8000)")
-    p.add_argument("--speedup", type=float, default=1.0,
-                   help="model seconds per wall second (1.0 = real time)")
+    p.add_argument(
+        "--speedup", type=float, default=1.0, help="model seconds per wall second (1.0 = real time)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of generated text and vectors (0)")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients use in `model` (default: --model)")
-    p.add_argument("--api-key", default=None,
-                   help="require this bearer token on /v1 routes, as vLLM's --api-key")
-    p.add_argument("--step-median-tokens", type=float, default=60.0,
-                   help="median tokens per generation step before its stop string "
-                        "(assumption, default 60)")
-    p.add_argument("--step-sigma", type=float, default=0.7,
-                   help="log-sigma of the step length distribution (assumption, default 0.7)")
-    p.add_argument("--eos-probability", type=float, default=0.1,
-                   help="chance a step ends the sequence instead of its stop string "
-                        "(assumption, default 0.1)")
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients use in `model` (default: --model)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this bearer token on /v1 routes, as vLLM's --api-key",
+    )
+    p.add_argument(
+        "--step-median-tokens",
+        type=float,
+        default=60.0,
+        help="median tokens per generation step before its stop string (assumption, default 60)",
+    )
+    p.add_argument(
+        "--step-sigma",
+        type=float,
+        default=0.7,
+        help="log-sigma of the step length distribution (assumption, default 0.7)",
+    )
+    p.add_argument(
+        "--eos-probability",
+        type=float,
+        default=0.1,
+        help="chance a step ends the sequence instead of its stop string (assumption, default 0.1)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="batch size bound (256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens per step bound (8192)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step bound (8192)"
+    )
     logs.add_arguments(p, "WARNING")
     add_version_argument(p)
     return p
@@ -59,10 +76,17 @@ def parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> EmulatorConfig:
     return EmulatorConfig(
-        model=args.model, gpu=args.gpu, tp=args.tp, share=args.share, speedup=args.speedup,
-        seed=args.seed, served_model_name=args.served_model_name, api_key=args.api_key,
+        model=args.model,
+        gpu=args.gpu,
+        tp=args.tp,
+        share=args.share,
+        speedup=args.speedup,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
         lengths=LengthModel(args.step_median_tokens, args.step_sigma, args.eos_probability),
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
 
@@ -78,14 +102,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         app = make_app(config_from(args))
     except ValueError as exc:
         p.exit(2, f"scepsy-engine: error: {exc}\n")
-    banner = (f"scepsy-engine (EMULATED {args.model} on {args.tp}x{args.gpu} share "
-              f"{args.share}, speedup {args.speedup}) on http://{args.host}:{args.port}")
+    banner = (
+        f"scepsy-engine (EMULATED {args.model} on {args.tp}x{args.gpu} share "
+        f"{args.share}, speedup {args.speedup}) on http://{args.host}:{args.port}"
+    )
 
     def listening(_: str) -> None:  # aiohttp calls this once the socket is bound
         print(banner, file=sys.stderr, flush=True)
+
     try:
-        web.run_app(app, host=args.host, port=args.port, print=listening,
-                    handler_cancellation=True)
+        web.run_app(app, host=args.host, port=args.port, print=listening, handler_cancellation=True)
     except OSError as exc:  # address in use, unknown host: one line, not a traceback
         p.exit(1, f"scepsy-engine: error: cannot listen on {args.host}:{args.port}: {exc}\n")
 
