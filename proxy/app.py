@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.metrics import AccessLoggingMetrics, ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Replica, Router
-from proxy.upstream import UpstreamClient
+from proxy.upstream import UpstreamClient, tls_context
 from shared.settings import Settings
 
 log = logging.getLogger("scepsy.proxy")
@@ -53,6 +53,8 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS].proxy
+    # One TLS context for https:// upstreams, shared by engine calls, probes and /v1/models.
+    tls = tls_context(s.upstream_tls.verify, s.upstream_tls.ca_file)
     # Idle connections are dropped before the engines drop them (uvicorn: 5 s), so a call is
     # rarely sent down a connection the engine is closing.
     app[UPSTREAM] = UpstreamClient(
@@ -60,9 +62,11 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         read_timeout_s=s.read_timeout_s,
         total_timeout_s=s.upstream_timeout_s,
         idle_timeout_s=4.0,
+        ssl_context=tls,
     )
     timeout = aiohttp.ClientTimeout(total=30, sock_connect=s.connect_timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(ssl=tls)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         app[SESSION] = session
         try:
             yield

@@ -10,12 +10,21 @@ Invariants:
   ``finally`` without awaiting, so a cancelled handler (client hang-up, shutdown) still records;
 - only connection failures before the upstream answered are retried, once, on another replica;
   once a byte may have reached the engine's response path nothing is retried;
+- whatever the route, an upstream answer of ``text/event-stream`` is relayed event by event
+  (chat and completions, the Responses API, any route a known model is called on); a client's
+  stream is never buffered to its end;
+- every upstream failure (connect, TLS, protocol, timeout) logs one warning naming the replica
+  and the model, and reaches the client as an OpenAI-style error, never a traceback;
+- header-borne strings stored or counted (workflow, request id, call id) are valid UTF-8:
+  undecodable header bytes (lone surrogates once aiohttp decoded them) become U+FFFD there,
+  while the headers themselves go upstream byte for byte;
 - credentials never reach the store, and ``X-Scepsy-*`` headers never reach an upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +46,12 @@ from proxy.errors import (
 from proxy.identity import identify, is_private_header
 from proxy.relay import relay_body, relay_stream
 from proxy.router import Replica
-from proxy.upstream import UpstreamConnectError, UpstreamProtocolError
+from proxy.upstream import (
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamRequestError,
+    UpstreamTLSError,
+)
 from shared.records import CallRecord, new_call_id, now_us, scrub_body
 
 ENGINE_ROUTES = frozenset(
@@ -54,7 +68,13 @@ ENGINE_ROUTES = frozenset(
         "/classify",
     }
 )
-_STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+log = logging.getLogger(__name__)
+# Routes whose `stream: true` asks for an event stream (recorded as a streamed call). Any
+# route is relayed as a stream when its upstream answers text/event-stream, whatever it asked.
+_STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+# Routes whose streams report usage only when asked (`stream_options.include_usage`): the proxy
+# asks on the client's behalf. The Responses API always reports it (`response.completed`).
+_USAGE_OPTION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 _DROP_UPSTREAM = frozenset(
     {
         "host",
@@ -107,6 +127,18 @@ def _prompt_text(body: dict[str, Any]) -> str | None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return prompt[0]
     return None
+
+
+def _storable(value: str | None) -> str | None:
+    """A header- or path-borne string as the store and /metrics can hold it: aiohttp keeps
+    undecodable header bytes as lone surrogates, which UTF-8 (Parquet, Prometheus text)
+    cannot carry; each becomes U+FFFD. ASCII (nearly every value) passes untouched."""
+    if value is None or value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate aiohttp never makes (from a percent-escape)
+        return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def _check_client(request: web.Request) -> str | None:
@@ -178,7 +210,7 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
     stream = bool(body.get("stream")) and path in _STREAMING_ROUTES
     strip_usage = False
     payload = raw
-    if stream:
+    if stream and path in _USAGE_OPTION_ROUTES:
         options = body.get("stream_options")
         if not isinstance(options, dict) or (options and not options.get("include_usage")):
             # Ask for usage on the client's behalf; the extra event is removed on the way back.
@@ -187,10 +219,10 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
             payload = orjson.dumps({**body, "stream_options": asked})
             strip_usage = True
     rec = CallRecord(
-        call_id=request.headers.get("Idempotency-Key") or new_call_id(),
+        call_id=_storable(request.headers.get("Idempotency-Key")) or new_call_id(),
         proxy_id=app[PROXY_ID],
-        workflow=ident.workflow,
-        request_id=ident.request_id,
+        workflow=_storable(ident.workflow),
+        request_id=_storable(ident.request_id),
         model=model,
         endpoint=path,
         stream=stream,
@@ -208,7 +240,8 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
 
 def _client_retries(request: web.Request) -> int:
     value = request.headers.get("x-stainless-retry-count", "0")
-    return int(value) if value.isdigit() else 0
+    # str.isdigit() admits "²" and other digits int() refuses; a count has a few ASCII digits.
+    return int(value) if value.isascii() and value.isdecimal() and len(value) <= 6 else 0
 
 
 async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.StreamResponse:
@@ -244,23 +277,41 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
                 rec.status = status
                 if upstream.status >= 500:
                     metrics.upstream_error(call.model, rep.url, str(upstream.status))
+                # Decided by the answer, not by the call: the client's `stream` may be unknown
+                # to the proxy (a new route) and the engine's word is what arrives.
                 ctype = upstream.headers.get("Content-Type", "")
-                if call.stream and status == 200 and ctype.startswith("text/event-stream"):
+                if ctype[:17].lower() == "text/event-stream":
+                    rec.stream = True
                     return await relay_stream(request, upstream, rec, call.strip_usage)
                 return await relay_body(upstream, rec)
+        except UpstreamRequestError as exc:
+            # Nothing was sent: a header of the call has no bytes to send (aiohttp never
+            # decodes one so; said as a 400 rather than a traceback all the same).
+            rec.error = f"request: {exc}"
+            status = BadRequest.status
+            raise BadRequest(f"The call cannot be sent upstream: {exc}.") from exc
         except UpstreamConnectError as exc:
             # The connection was never made, so the engine never saw the call: safe to retry.
             router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "connect")
             rec.error = f"connect: {exc}"
+            log.warning("upstream %s of model %s: %s", rep.url, call.model, exc)
             retry = len(tried) == 1 and router.has_alternative(call.model, tried)
             if not retry:
+                if isinstance(exc, UpstreamTLSError):
+                    # A certificate the proxy does not trust: a setup problem of this replica,
+                    # said as such rather than as "no replica".
+                    status = UpstreamFailed.status
+                    raise UpstreamFailed(
+                        "The TLS handshake with the upstream engine failed (see the proxy's log)."
+                    ) from exc
                 status = NoReplica.status
                 raise NoReplica(f"No replica of `{call.model}` could be reached.") from exc
             metrics.retries.labels(call.model).inc()
         except TimeoutError as exc:
             metrics.upstream_error(call.model, rep.url, "timeout")
             rec.error = "upstream timed out"
+            log.warning("upstream %s of model %s timed out: %s", rep.url, call.model, exc)
             status = UpstreamTimeout.status
             raise UpstreamTimeout("The upstream engine did not answer in time.") from exc
         except UpstreamProtocolError as exc:
@@ -270,6 +321,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
                 router.failed(rep)
             metrics.upstream_error(call.model, rep.url, "disconnect")
             rec.error = f"upstream: {exc}"
+            log.warning("upstream %s of model %s broke the exchange: %s", rep.url, call.model, exc)
             status = UpstreamFailed.status
             raise UpstreamFailed("The upstream engine broke the exchange.") from exc
         except (asyncio.CancelledError, ConnectionResetError):

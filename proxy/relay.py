@@ -9,13 +9,18 @@ Invariants:
   events and those are written at once; only an incomplete tail waits for its next bytes;
 - the usage event the proxy asked for on the client's behalf (``strip_usage``) is read and
   never forwarded; every other event is forwarded byte for byte;
-- usage found nowhere stays ``None`` (unknown), never zero;
+- usage found nowhere stays ``None`` (unknown), never zero; both shapes are read: chat and
+  completions (``prompt_tokens``/``completion_tokens``) and the Responses API
+  (``input_tokens``/``output_tokens``, in its final ``response.completed`` event);
+- an event may carry ``event:``/``id:`` lines before its ``data:`` line (the Responses API
+  names every event): its data is read all the same;
 - an upstream stream cut mid-way ends the client's stream with an OpenAI-style error event, so
   the client sees a failure rather than a silently short answer.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -26,8 +31,14 @@ from multidict import CIMultiDict
 from proxy.upstream import UpstreamProtocolError, UpstreamResponse
 from shared.records import CallRecord, now_us
 
+log = logging.getLogger(__name__)
+
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE = b'"usage"'
+# Every error shape engines stream contains this: chat's `data: {"error": ...}`, the Responses
+# API's `{"type": "error", ...}` and its `response.failed` event (`"error": {...}`).
+_ERROR = b'"error"'
+_TYPE_ERROR = re.compile(rb'"type"\s*:\s*"error"')
 _HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -81,15 +92,21 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
 def apply_usage(rec: CallRecord, usage: dict[str, Any]) -> None:
     prompt = usage.get("prompt_tokens")
     if prompt is None:
+        prompt = usage.get("input_tokens")  # the Responses API
+    if prompt is None:
         prompt = usage.get("total_tokens")  # rerank/score report only a total
     if isinstance(prompt, int):
         rec.prompt_tokens = prompt
     completion = usage.get("completion_tokens")
+    if completion is None:
+        completion = usage.get("output_tokens")
     if isinstance(completion, int):
         rec.completion_tokens = completion
     elif isinstance(prompt, int):
         rec.completion_tokens = 0
     details = usage.get("prompt_tokens_details")
+    if details is None:
+        details = usage.get("input_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         rec.cached_tokens = details["cached_tokens"]
 
@@ -119,8 +136,12 @@ async def relay_body(upstream: UpstreamResponse, rec: CallRecord) -> web.Respons
 
 
 def _event_payload(event: bytes) -> bytes:
-    """The data of a one-line ``data: ...`` event (what engines send)."""
-    return event[5:].lstrip() if event.startswith(b"data:") else event
+    """The data of a ``data: ...`` event (what engines send), also when ``event:`` or ``id:``
+    lines come first (the Responses API)."""
+    if event.startswith(b"data:"):
+        return event[5:].lstrip()
+    at = event.find(b"\ndata:")
+    return event[at + 6 :].lstrip() if at >= 0 else event
 
 
 async def relay_stream(
@@ -137,10 +158,13 @@ async def relay_stream(
     out.headers["Cache-Control"] = "no-cache"
     try:
         await out.prepare(request)
-        return await _relay_events(out, upstream, rec, strip_usage)
+        await _relay_events(out, upstream, rec, strip_usage)
     except ConnectionResetError:
         rec.error = "client disconnected"
         return out
+    if upstream.status >= 300 and rec.error is None:
+        rec.error = f"upstream answered {upstream.status} with an event stream"
+    return out
 
 
 async def _relay_events(
@@ -152,7 +176,7 @@ async def _relay_events(
             if rec.t_first_byte is None:
                 rec.t_first_byte = now_us()
             data = pending + chunk if pending else chunk
-            if b"\r" not in data and _USAGE not in data and b'{"error"' not in data:
+            if b"\r" not in data and _USAGE not in data and _ERROR not in data:
                 # Fast path (nearly every chunk): forward all complete events in one write.
                 end = data.rfind(b"\n\n") + 2
                 pending = data[end:] if end > 1 else data
@@ -166,9 +190,7 @@ async def _relay_events(
             for m in _EVENT_END.finditer(data):
                 event = data[last : m.end()]
                 last = m.end()
-                if (_USAGE in event or event.startswith(b'data: {"error"')) and _inspect_event(
-                    event, rec, strip_usage
-                ):
+                if (_USAGE in event or _ERROR in event) and _inspect_event(event, rec, strip_usage):
                     dropped = True
                     continue
                 keep.append(event)
@@ -184,11 +206,13 @@ async def _relay_events(
             await out.write(pending)
     except UpstreamProtocolError as exc:
         rec.error = f"upstream stream cut: {exc.__class__.__name__}: {exc}"
+        log.warning("upstream %s of model %s cut a stream: %s", rec.upstream, rec.model, exc)
         await out.write(
             _error_event("The upstream engine ended the stream early.", "upstream_error")
         )
     except TimeoutError:
         rec.error = "upstream stream timed out"
+        log.warning("upstream %s of model %s: a stream timed out", rec.upstream, rec.model)
         await out.write(_error_event("The upstream engine stopped sending.", "upstream_timeout"))
     await out.write_eof()
     return out
@@ -217,10 +241,30 @@ def _inspect_event(event: bytes, rec: CallRecord, strip_usage: bool) -> bool:
         message = err.get("message") if isinstance(err, dict) else err
         rec.error = f"upstream error event: {message}"
         return False
+    if b'"response.failed"' in payload or _TYPE_ERROR.search(payload):
+        _responses_error(payload, rec)
     usage = find_usage(payload)
     if usage is not None:
         apply_usage(rec, usage)
     return _is_dropped(event, strip_usage)
+
+
+def _responses_error(payload: bytes, rec: CallRecord) -> None:
+    """The Responses API's failures: an ``error`` event (``{"type": "error", "message"}``) or
+    ``response.failed`` (the response's ``error`` object)."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(obj, dict):
+        return
+    if obj.get("type") == "error":
+        rec.error = f"upstream error event: {obj.get('message')}"
+    elif obj.get("type") == "response.failed":
+        response = obj.get("response")
+        err = response.get("error") if isinstance(response, dict) else None
+        message = err.get("message") if isinstance(err, dict) else err
+        rec.error = f"upstream response failed: {message}"
 
 
 def _error_event(message: str, code: str) -> bytes:

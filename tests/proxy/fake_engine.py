@@ -12,11 +12,17 @@ Every call the fake saw is kept in ``FakeEngine.calls`` (path, headers, body) fo
 client (the proxy) hung up while the fake waited, ``probes`` the ``/health`` requests.
 ``kill()`` dies like a killed process: the port stops listening and every open connection is
 dropped at once; ``start(port)`` brings a replica back on the same port.
+``/v1/responses`` speaks the Responses API: a whole ``response`` object, or (``stream``) named
+events from ``response.created`` to ``response.completed`` (which carries ``usage``), with the
+modes above (``error_event`` sends the API's ``error`` event). With ``ssl_context`` set the
+fake serves https.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,10 +52,12 @@ class FakeEngine:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
+    ssl_context: ssl.SSLContext | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0, backlog: int = 128) -> FakeEngine:
         app = web.Application()
@@ -58,7 +66,14 @@ class FakeEngine:
         app.router.add_post("/{tail:.*}", self._post)
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port, reuse_address=True, backlog=backlog)
+        site = web.TCPSite(
+            self.runner,
+            "127.0.0.1",
+            port,
+            reuse_address=True,
+            backlog=backlog,
+            ssl_context=self.ssl_context,
+        )
         await site.start()
         server = site._server
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -135,6 +150,8 @@ class FakeEngine:
         if mode == "hang":
             await self._wait(3600)
         path = request.path
+        if path.endswith("/responses"):
+            return await self._responses(request, body, mode, tokens)
         if path.endswith("/embeddings"):
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
             data = [
@@ -268,4 +285,86 @@ class FakeEngine:
             }
             await resp.write(event([], usage))
         await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _responses(
+        self, request: web.Request, body: dict[str, Any], mode: str, tokens: int
+    ) -> web.StreamResponse:
+        """The Responses API as vLLM serves it (``/v1/responses``)."""
+        given = body.get("input", "")
+        input_tokens = len(given.split()) if isinstance(given, str) else 10 * len(given)
+        pieces = [f"tok{i} " for i in range(tokens)]
+        usage = {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": 2},
+            "output_tokens": tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + tokens,
+        }
+
+        def message(text: str, status: str) -> dict[str, Any]:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            return {
+                "id": "msg_1",
+                "type": "message",
+                "status": status,
+                "role": "assistant",
+                "content": [part] if text else [],
+            }
+
+        def response(status: str, text: str | None) -> dict[str, Any]:
+            return {
+                "id": "resp_1",
+                "object": "response",
+                "created_at": int(time.time()),
+                "status": status,
+                "error": None,
+                "incomplete_details": None,
+                "instructions": None,
+                "model": body["model"],
+                "output": [] if text is None else [message(text, "completed")],
+                "parallel_tool_calls": True,
+                "temperature": 1.0,
+                "tool_choice": "auto",
+                "tools": [],
+                "top_p": 1.0,
+                "usage": usage if status == "completed" else None,
+            }
+
+        if not body.get("stream"):
+            if mode == "hold":
+                await self._wait(self.release)
+            return web.json_response(response("completed", "".join(pieces)))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        seq = itertools.count()
+
+        async def send(kind: str, **fields: Any) -> None:
+            obj = {"type": kind, "sequence_number": next(seq), **fields}
+            await resp.write(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(obj)))
+
+        where = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+        await send("response.created", response=response("in_progress", None))
+        await send("response.in_progress", response=response("in_progress", None))
+        await send("response.output_item.added", output_index=0, item=message("", "in_progress"))
+        part = {"type": "output_text", "text": "", "annotations": []}
+        await send("response.content_part.added", **where, part=part)
+        for i, piece in enumerate(pieces):
+            if mode == "hold" and i == 1:
+                await self._wait(self.release)
+            if mode == "cut" and i == 2:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if mode == "error_event" and i == 2:
+                await send("error", code="server_error", message="KV cache exhausted", param=None)
+                return resp
+            if mode == "slow":
+                await asyncio.sleep(0.01)
+            await send("response.output_text.delta", **where, delta=piece, logprobs=[])
+        text = "".join(pieces)
+        await send("response.output_text.done", **where, text=text, logprobs=[])
+        await send("response.content_part.done", **where, part={**part, "text": text})
+        await send("response.output_item.done", output_index=0, item=message(text, "completed"))
+        await send("response.completed", response=response("completed", text))
         return resp
