@@ -70,8 +70,31 @@ def parse_duration_s(text: str) -> float:
     return float(match.group(1)) * _UNIT_S[match.group(2)]
 
 
+# Top-level packages the extras bring (pyproject.toml): a command that needs one the install
+# lacks says which extra to install instead of printing an ImportError traceback.
+EXTRAS = {
+    "kubernetes": "optimizer",
+    "pynvml": "optimizer",
+    "rich": "optimizer",
+    "matplotlib": "plots",
+    "openai": "demo",
+}
+
+
+class MissingExtraError(ImportError):
+    """A subcommand imports a package that only one of scepsy's extras installs."""
+
+
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(COMMANDS[name][0])
+    try:
+        return importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        raise MissingExtraError(
+            f"needs the {exc.name} package, which this install lacks: pip install 'scepsy[{extra}]'"
+        ) from exc
 
 
 def _chosen(argv: Sequence[str]) -> str | None:
@@ -101,12 +124,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_chosen(words)).parse_args(words)
-    logs.configure_from_args(args, "INFO" if args.command == "run" else "WARNING")
     try:
+        args = build_parser(_chosen(words)).parse_args(words)
+        logs.configure_from_args(args, "INFO" if args.command == "run" else "WARNING")
         code: int = _module(args.command).run(args)
-    except UsageError as exc:
-        print(f"scepsy {args.command}: {exc}", file=sys.stderr)
+    except (UsageError, MissingExtraError) as exc:
+        print(" ".join(filter(None, ["scepsy", _chosen(words)])) + f": {exc}", file=sys.stderr)
         return 2
     return code
 
