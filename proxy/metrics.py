@@ -102,7 +102,19 @@ class _StateCollector(Collector):
             names.PROXY_SEGMENTS_WRITTEN.removesuffix("_total"), "Parquet segments written"
         )
         segments.add_metric([], rec.segments)
-        yield from (in_flight, replicas, depth, written, dropped, segments)
+        quarantined = CounterMetricFamily(
+            names.PROXY_RECORDS_QUARANTINED.removesuffix("_total"),
+            "Call records the store refused, kept in <store>/quarantine, by reason",
+            labels=["reason"],
+        )
+        for reason, n in rec.quarantined.items():
+            quarantined.add_metric([reason[:200]], n)
+        replayed = CounterMetricFamily(
+            names.PROXY_RECORDS_REPLAYED.removesuffix("_total"),
+            "Call records a killed proxy had journaled, written at this proxy's start",
+        )
+        replayed.add_metric([], rec.replayed)
+        yield from (in_flight, replicas, depth, written, dropped, segments, quarantined, replayed)
 
 
 class ProxyMetrics:

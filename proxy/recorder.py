@@ -20,6 +20,12 @@ Invariants:
 - one writer thread at a time owns the DuckDB connection;
 - a call gets at most one open row, and only if it was still running a whole flush interval
   after it began (short calls, the common case, cost no extra row);
+- a call the proxy answered survives ``kill -9``: each accepted finished row is appended to the
+  journal (:mod:`shared.journal`) in the same loop turn, the journal rotates at each flush and
+  forgets rows once they are in a segment; at start, rows killed recorders on this host left
+  are written first (counted in ``replayed``);
+- a row the store refuses costs only itself: it is quarantined and counted by reason
+  (``quarantined``), its neighbours written;
 - the store's health for ``/health/ready`` is two facts: the last write did not fail recently
   (:meth:`Recorder.failing`; a later write that succeeds clears it), and the segment folder
   takes a small file now (:meth:`Recorder.check_writable`, blocking: run it in a thread).
@@ -36,12 +42,14 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
+from shared.journal import Journal, replay
 from shared.records import COLUMN_NAMES, CallRecord, now_us
 from shared.settings import StoreSettings
-from shared.store import SegmentWriter, segment_dir
+from shared.store import SegmentWriter, Written, segment_dir
 
 log = logging.getLogger("scepsy.proxy.recorder")
 _row: Callable[[CallRecord], tuple[Any, ...]] = attrgetter(*COLUMN_NAMES)
+_T_END = COLUMN_NAMES.index("t_end")  # set on every finished row, never on an open one
 
 
 class Recorder:
@@ -62,6 +70,11 @@ class Recorder:
         self.write_errors = 0
         self.last_error: str | None = None  # of the last write, cleared by a successful one
         self._failed_at: float | None = None  # monotonic time of that failed write
+        self.quarantined: dict[str, int] = {}  # rows the store refused, by reason
+        self.replayed = 0  # rows of a killed recorder's journal written at start
+        self.journal_errors = 0
+        self._journal: Journal | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def depth(self) -> int:
@@ -89,13 +102,50 @@ class Recorder:
         if len(self._buffer) + self._writing >= self.settings.queue_size:
             self.dropped += 1
             return False
-        self._buffer.append(_row(record))
+        row = _row(record)
+        self._buffer.append(row)
+        if self._journal is not None and self._journal.append(row):
+            assert self._loop is not None
+            self._loop.call_soon(self._sync_journal)  # one write per loop turn
         if len(self._buffer) >= self.settings.segment_rows:
             self._wake.set()
         return True
 
+    def _sync_journal(self) -> None:
+        assert self._journal is not None
+        try:
+            self._journal.sync()
+        except OSError as exc:
+            # The segments still get every row; only a kill would now lose some.
+            self.journal_errors += 1
+            log.warning("cannot append to the journal in %s: %s", self._journal.directory, exc)
+
+    def _start_store(self) -> tuple[SegmentWriter, Journal | None]:
+        """The writer, after replaying what killed recorders on this host left in their
+        journals; then this recorder's own journal (none, with a warning, if it cannot be)."""
+        writer = SegmentWriter(self.settings.path, self.proxy_id)
+        replayed, skipped = replay(self.settings.path, lambda rows: self._count(writer.write(rows)))
+        if replayed or skipped:
+            self.replayed += replayed
+            log.warning(
+                "replayed %d call records a killed proxy had journaled (%d cut-short lines)",
+                replayed,
+                skipped,
+            )
+        try:
+            return writer, Journal(self.settings.path)
+        except OSError as exc:
+            log.warning("no journal (a kill would lose the last flush interval): %s", exc)
+            return writer, None
+
+    def _count(self, written: Written) -> None:
+        for reason, n in written.quarantined.items():
+            self.quarantined[reason] = self.quarantined.get(reason, 0) + n
+            log.warning("quarantined %d call records the store refused: %s", n, reason)
+
     async def start(self) -> None:
-        self._writer = await asyncio.to_thread(SegmentWriter, self.settings.path, self.proxy_id)
+        self._loop = asyncio.get_running_loop()
+        self._writer, self._journal = await asyncio.to_thread(self._start_store)
         self._task = asyncio.create_task(self._run(), name="scepsy-recorder")
 
     async def _run(self) -> None:
@@ -122,14 +172,17 @@ class Recorder:
         # while a segment is being written wait for the next turn, or a busy proxy would
         # write a stream of tiny segments, each paying the fixed cost of a Parquet file.
         due = len(self._buffer) if partial else 0
+        if self._journal is not None and due:
+            self._rotate_journal()
         while due > 0 or len(self._buffer) >= self.settings.segment_rows:
             batch = self._buffer[: self.settings.segment_rows]
             due -= len(batch)
             del self._buffer[: len(batch)]
             self._writing = len(batch)
+            journaled = sum(1 for row in batch if row[_T_END] is not None)
             try:
                 assert self._writer is not None
-                await asyncio.to_thread(self._writer.write, batch)
+                written = await asyncio.to_thread(self._writer.write, batch)
             except Exception as exc:
                 # A failing store must never take the data plane down: count, log, go on.
                 self.write_errors += 1
@@ -139,12 +192,25 @@ class Recorder:
                 log.exception(
                     "could not write %d call records to %s", len(batch), self.settings.path
                 )
+                if self._journal is not None:  # kept for the next start to replay
+                    self._journal.resolved(journaled, lost=True)
             else:
-                self.written += len(batch)
-                self.segments += 1
+                self._count(written)
+                self.written += written.rows
+                self.segments += written.path is not None
                 self.last_error, self._failed_at = None, None
+                if self._journal is not None:
+                    self._journal.resolved(journaled)
             finally:
                 self._writing = 0
+
+    def _rotate_journal(self) -> None:
+        assert self._journal is not None
+        try:
+            self._journal.rotate()
+        except OSError as exc:
+            self.journal_errors += 1
+            log.warning("cannot rotate the journal in %s: %s", self._journal.directory, exc)
 
     def failing(self, within_s: float) -> str | None:
         """The last write's error if it failed less than ``within_s`` seconds ago, else None.
@@ -184,3 +250,6 @@ class Recorder:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._journal is not None:
+            self._journal.close(written=not self._buffer)
+            self._journal = None

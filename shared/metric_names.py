@@ -21,6 +21,8 @@ PROXY_QUEUE_DEPTH = "scepsy_proxy_recorder_queue_depth"
 PROXY_RECORDS_WRITTEN = "scepsy_proxy_records_written_total"
 PROXY_RECORDS_DROPPED = "scepsy_proxy_records_dropped_total"
 PROXY_SEGMENTS_WRITTEN = "scepsy_proxy_segments_written_total"
+PROXY_RECORDS_QUARANTINED = "scepsy_proxy_records_quarantined_total"
+PROXY_RECORDS_REPLAYED = "scepsy_proxy_records_replayed_total"
 
 PROXY_METRICS: tuple[str, ...] = (
     PROXY_REQUESTS,
@@ -37,6 +39,8 @@ PROXY_METRICS: tuple[str, ...] = (
     PROXY_RECORDS_WRITTEN,
     PROXY_RECORDS_DROPPED,
     PROXY_SEGMENTS_WRITTEN,
+    PROXY_RECORDS_QUARANTINED,
+    PROXY_RECORDS_REPLAYED,
 )
 
 # Optimizer daemon (DESIGN §3.8-3.9). Gauges unless the name ends in _total or _seconds

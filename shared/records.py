@@ -9,6 +9,11 @@ Invariants:
 - a retried call keeps its ``call_id``; ``attempt`` counts from 0 across client retries
   (``x-stainless-retry-count``) and the proxy's own retry;
 - ``body`` never holds credentials: :func:`scrub_body` removes secret-looking keys;
+- every row the store is handed has passed :func:`storable`: integers fit their column (else
+  null),
+  text is valid UTF-8 (a lone surrogate, from a non-UTF-8 byte a client sent, becomes U+FFFD)
+  and bounded (``MAX_TEXT`` characters, ``MAX_BODY`` for the body), so no client value can
+  make the writer refuse a row;
 - an *open* row (``t_end`` null) announces a call still in flight when the proxy flushed
   (:meth:`CallRecord.opened`): it carries the identity and ``t_start`` of the finished row that
   follows it (same ``call_id``, ``attempt`` and ``t_start``), no outcome and no body. Readers
@@ -21,6 +26,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
@@ -35,24 +41,37 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("model", "VARCHAR"),
     ("endpoint", "VARCHAR"),
     ("upstream", "VARCHAR"),
-    ("attempt", "INTEGER"),
+    ("attempt", "BIGINT"),
     ("status", "INTEGER"),
     ("error", "VARCHAR"),
     ("stream", "BOOLEAN"),
     ("t_start", "BIGINT"),
     ("t_first_byte", "BIGINT"),
     ("t_end", "BIGINT"),
-    ("prompt_tokens", "INTEGER"),
-    ("completion_tokens", "INTEGER"),
-    ("cached_tokens", "INTEGER"),
+    ("prompt_tokens", "BIGINT"),
+    ("completion_tokens", "BIGINT"),
+    ("cached_tokens", "BIGINT"),
     ("request_bytes", "BIGINT"),
     ("response_bytes", "BIGINT"),
     ("body", "VARCHAR"),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _ in COLUMNS)
 # What an open row (a call still in flight) carries: who called what, where, since when.
-_OPEN_COLUMNS = frozenset({"call_id", "proxy_id", "workflow", "request_id", "model", "endpoint",
-                           "upstream", "attempt", "stream", "t_start", "request_bytes"})
+_OPEN_COLUMNS = frozenset(
+    {
+        "call_id",
+        "proxy_id",
+        "workflow",
+        "request_id",
+        "model",
+        "endpoint",
+        "upstream",
+        "attempt",
+        "stream",
+        "t_start",
+        "request_bytes",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -85,11 +104,65 @@ class CallRecord:
 
     def opened(self) -> tuple[Any, ...]:
         """The open row announcing this call while it runs (see the module docstring)."""
-        return tuple(getattr(self, name) if name in _OPEN_COLUMNS else None
-                     for name in COLUMN_NAMES)
+        return tuple(
+            getattr(self, name) if name in _OPEN_COLUMNS else None for name in COLUMN_NAMES
+        )
 
 
 assert tuple(f.name for f in fields(CallRecord)) == COLUMN_NAMES, "schema and record disagree"
+
+
+MAX_TEXT = 4096  # characters of an identity, model, endpoint or error column
+MAX_BODY = 64 * 2**20  # characters of a stored request body (above any body the proxy accepts)
+_INT_RANGES = {"BIGINT": range(-(2**63), 2**63), "INTEGER": range(-(2**31), 2**31)}
+_TEXT_LIMITS = tuple(
+    (i, MAX_BODY if name == "body" else MAX_TEXT)
+    for i, (name, sql) in enumerate(COLUMNS)
+    if sql == "VARCHAR"
+)
+_INT_COLUMNS = tuple(
+    (i, _INT_RANGES[sql]) for i, (_, sql) in enumerate(COLUMNS) if sql in _INT_RANGES
+)
+_BOOL_COLUMNS = tuple(i for i, (_, sql) in enumerate(COLUMNS) if sql == "BOOLEAN")
+
+
+def valid_text(value: str, limit: int = MAX_TEXT) -> str:
+    """``value`` as valid UTF-8 text of at most ``limit`` characters (lone surrogates, which
+    aiohttp makes of undecodable bytes, become U+FFFD)."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            try:  # the bytes aiohttp could not decode, each shown as U+FFFD
+                value = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            except UnicodeEncodeError:  # surrogates no byte maps to
+                value = value.encode("utf-8", "replace").decode()
+    return value if len(value) <= limit else value[:limit]
+
+
+def storable(row: Sequence[Any]) -> tuple[Any, ...]:
+    """``row`` (``COLUMN_NAMES`` order) with every value of its column's type and bounds: text
+    made valid and cut to length, an integer outside 64 bits or of another type made null,
+    a flag made a bool. The common row (ASCII text, small numbers) is returned as it was."""
+    out: list[Any] | None = None
+    for i, limit in _TEXT_LIMITS:
+        v = row[i]
+        if v is None or (type(v) is str and v.isascii() and len(v) <= limit):
+            continue
+        out = out or list(row)
+        out[i] = valid_text(v if isinstance(v, str) else str(v), limit)
+    for i, bounds in _INT_COLUMNS:
+        v = row[i]
+        if v is None or (type(v) is int and v in bounds):
+            continue
+        out = out or list(row)
+        out[i] = int(v) if isinstance(v, int) and not isinstance(v, bool) and v in bounds else None
+    for i in _BOOL_COLUMNS:
+        v = row[i]
+        if v is not None and type(v) is not bool:
+            out = out or list(row)
+            out[i] = bool(v)
+    return tuple(row) if out is None else tuple(out)
 
 
 def now_us() -> int:

@@ -132,7 +132,7 @@ def write_trace(result: SimResult, store: str | Path, *, proxy_id: str = "simula
     rows = call_rows(result, t0_us=t0_us, proxy_id=proxy_id, bodies=bodies)
     writer = SegmentWriter(store, proxy_id)
     try:
-        paths = [writer.write(_chunk) for _chunk in _chunks(rows, segment_rows)]
+        paths = [writer.write(_chunk).path for _chunk in _chunks(rows, segment_rows)]
     finally:
         writer.close()
     return [p for p in paths if p is not None]

@@ -189,6 +189,50 @@ async def test_sigkill_under_load_leaves_only_complete_segments(
     assert len(sorted(seg_dir.glob("*.parquet"))) == len(segments)
 
 
+@pytest.mark.timeout(60)
+async def test_sigkill_loses_no_call_answered_before_it(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    # No flush comes before the kill (600 s interval): every record lives only in memory and in
+    # the journal. The restarted proxy replays the journal: each call answered 50 ms or more
+    # before the kill is in the store, once.
+    fake = await engine_factory(name="up")
+    settings = {
+        "proxy": {"proxy_id": "p-journal", "shutdown_grace_s": 5},
+        "store": {"flush_interval_s": 600},
+    }
+    answered: dict[str, float] = {}
+    async with proxy_process(tmp_path, fake.url, settings) as proxy, _client(proxy.url) as client:
+        stop = asyncio.Event()
+
+        async def load() -> None:  # 16 callers at ~12 calls/s each: ~200 calls/s
+            while not stop.is_set():
+                key = uuid.uuid4().hex
+                if await _complete_call(client, key, False):
+                    answered[key] = time.monotonic()
+                await asyncio.sleep(0.08)
+
+        workers = [asyncio.create_task(load()) for _ in range(16)]
+        try:
+            await _until(lambda: len(answered) >= 300, 30, "answered calls")
+            killed_at = time.monotonic()
+            proxy.proc.send_signal(signal.SIGKILL)
+            assert await proxy.exit_code(5) == -signal.SIGKILL
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+    assert StoreReader(proxy.store).calls().fetchall() == []  # nothing had been flushed
+    async with proxy_process(tmp_path, fake.url, settings) as again:
+        again.proc.send_signal(signal.SIGTERM)
+        assert await again.exit_code(15) == 0, again.stderr()
+    assert "replayed" in again.stderr()
+    ids = [r[0] for r in StoreReader(proxy.store).calls().fetchall()]
+    assert len(ids) == len(set(ids)), "a call was recorded twice"
+    due = {k for k, t in answered.items() if t <= killed_at - 0.05}
+    missing = due - set(ids)
+    assert len(due) >= 250 and not missing, f"{len(missing)} of {len(due)} answered calls lost"
+
+
 def _scepsy_proxy() -> list[str]:
     script = Path(sys.executable).parent / "scepsy-proxy"
     return [str(script)] if script.exists() else [sys.executable, "-m", "proxy.cli"]

@@ -27,7 +27,7 @@ def _record(i: int, **kw: object) -> CallRecord:
 
 def test_write_then_read_typed(tmp_path: Path) -> None:
     writer = SegmentWriter(tmp_path, "p1")
-    path = writer.write([_record(i, prompt_tokens=i if i % 2 else None).row() for i in range(10)])
+    path = writer.write([_record(i, prompt_tokens=i if i % 2 else None).row() for i in range(10)]).path
     writer.close()
     assert path is not None and path.exists() and path.parent == segment_dir(tmp_path, "p1")
     rel = StoreReader(tmp_path).calls(1_002, 1_005)
@@ -73,7 +73,7 @@ def test_scrub_body_redacts_secrets_only() -> None:
 
 def test_segments_use_the_fast_codec_and_older_zstd_ones_still_read(tmp_path: Path) -> None:
     writer = SegmentWriter(tmp_path, "p1")
-    path = writer.write([_record(i).row() for i in range(3)])
+    path = writer.write([_record(i).row() for i in range(3)]).path
     writer.close()
     assert path is not None
     con = duckdb.connect()
