@@ -12,21 +12,28 @@ Invariants:
 - every segment has exactly the columns of ``shared.records.COLUMNS`` with their SQL types,
   even when every value of a column is null;
 - the reader never opens a file for writing, so any number of readers can run beside writers;
-- one row cannot cost its neighbours: rows pass :func:`shared.records.storable` before a write,
-  and a batch DuckDB still refuses is split until the rows it refuses are found; those go to
-  ``<store>/quarantine/proxy=<id>/`` as JSON lines (with the reason) and the rest are written.
+- a segment the reader cannot read is skipped with a warning naming it and remembered by path,
+  size and mtime for the rest of the process (:func:`unreadable_segments`); it is tried again
+  only once it changes;
+- one row cannot cost its neighbours: a batch DuckDB refuses is made storable
+  (:func:`shared.records.storable`) and tried again, and one it still refuses is split until
+  the rows it refuses are found; those go to ``<store>/quarantine/proxy=<id>/`` as JSON lines
+  (with the reason) and the rest are written. (The common batch pays for none of this: the
+  per-row check runs only after DuckDB refused a batch.)
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
@@ -38,6 +45,9 @@ from shared.records import COLUMN_NAMES, COLUMNS, now_us, storable
 # statistics pass (16% of its instructions on 1M calls), for files about 1.5x larger; it also
 # costs the proxy's recorder less to write. Readers take any codec, older zstd segments too.
 SEGMENT_CODEC = "lz4_raw"
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CALLS_DIR = "calls"
 QUARANTINE_DIR = "quarantine"
@@ -77,11 +87,15 @@ class SegmentWriter:
     def write(self, rows: Sequence[Sequence[Any]]) -> Written:
         """Write ``rows`` (tuples in ``COLUMN_NAMES`` order) as one segment, quarantining any
         row DuckDB refuses. An ``OSError`` (the disk) propagates: no row of it was written."""
-        return self._write_checked([storable(r) for r in rows])
-
-    def _write_checked(self, rows: list[tuple[Any, ...]]) -> Written:
         if not rows:
             return Written(None, 0)
+        try:
+            return Written(self._write(rows), len(rows))
+        except duckdb.Error:
+            return self._write_checked([storable(r) for r in rows])
+
+    def _write_checked(self, rows: list[tuple[Any, ...]]) -> Written:
+        """Write the storable ``rows``, quarantining those DuckDB still refuses."""
         try:
             return Written(self._write(rows), len(rows))
         except duckdb.Error:
@@ -160,16 +174,92 @@ class SegmentWriter:
         self._con.close()
 
 
+# Segments found unreadable (a truncated copy, a disk error, garbage under a .parquet name),
+# process-wide so that every later reader skips them without opening them again: path ->
+# (size, mtime_ns, reason). A file whose size or mtime changes is tried again.
+_bad_lock = threading.Lock()
+_bad: dict[str, tuple[int, int, str]] = {}
+# A DuckDB error that names the file it failed on: 'path' or "path".
+_NAMED_FILE = re.compile(r"""['"]([^'"]+\.parquet)['"]""")
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _known_bad(path: str) -> bool:
+    """Whether ``path`` was found unreadable and has not changed since."""
+    with _bad_lock:
+        entry = _bad.get(path)
+    if entry is None:
+        return False
+    if _stamp(path) == entry[:2]:
+        return True
+    with _bad_lock:
+        _bad.pop(path, None)  # replaced or gone: tried again if it is still there
+    return False
+
+
+def _mark_bad(path: str, reason: str) -> None:
+    stamp = _stamp(path)
+    if stamp is None:
+        return  # gone (compacted away): nothing to skip
+    with _bad_lock:
+        known = _bad.get(path)
+        _bad[path] = (*stamp, reason)
+    if known is None or known[:2] != stamp:
+        log.warning(
+            "skipping unreadable segment %s: %s",
+            path,
+            reason,
+            extra={"event": "unreadable_segment", "segment": path, "reason": reason},
+        )
+
+
+def unreadable_segments(store: str | Path) -> dict[Path, str]:
+    """The segments of ``store`` found unreadable (still there, unchanged), with the reason:
+    what every reader skips."""
+    calls = os.path.join(str(store), CALLS_DIR) + os.sep
+    with _bad_lock:
+        mine = [p for p in _bad if p.startswith(calls)]
+    return {Path(p): _bad[p][2] for p in mine if _known_bad(p)}
+
+
+def _sql_text(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _reason(exc: duckdb.Error) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
+
+
 class StoreReader:
-    """Reads call records across every proxy's segments as DuckDB relations."""
+    """Reads call records across every proxy's segments as DuckDB relations.
+
+    A segment DuckDB cannot read is skipped with a warning naming it, and remembered (path,
+    size, mtime) so that later reads skip it without opening it: one bad file never makes the
+    store unreadable. The common case costs nothing more: the segments are read through one
+    glob, and files are probed one by one only after a read failed. A footer that cannot be
+    read shows when :meth:`calls` binds its relation (every file's schema is read then);
+    damaged data pages show only when the relation runs, which :meth:`read` handles.
+    """
 
     def __init__(self, store: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> None:
         self.store = str(store)
         self.con = con or duckdb.connect(":memory:")
+        self.skipped: tuple[Path, ...] = ()  # the unreadable segments the last read left out
 
     @property
     def glob(self) -> str:
         return f"{self.store.rstrip('/')}/{CALLS_DIR}/*/*.parquet"
+
+    @property
+    def remote(self) -> bool:
+        return self.store.startswith(("s3://", "gs://", "http://", "https://"))
 
     def segments(self) -> list[Path]:
         return sorted(Path(self.store, CALLS_DIR).glob("*/*.parquet"))
@@ -177,18 +267,85 @@ class StoreReader:
     def calls(
         self, t_from_us: int | None = None, t_to_us: int | None = None
     ) -> duckdb.DuckDBPyRelation:
-        """Records whose ``t_start`` lies in ``[t_from_us, t_to_us)``, as a lazy relation."""
-        if self.store.startswith(("s3://", "gs://", "http://", "https://")) or self.segments():
-            source = f"SELECT {_SELECT_TYPED} FROM read_parquet('{self.glob}', union_by_name=true)"
-        else:
-            source = _EMPTY_SELECT + " WHERE false"
+        """Records whose ``t_start`` lies in ``[t_from_us, t_to_us)``, as a lazy relation
+        over the readable segments (see :meth:`read` to run it)."""
         where = []
         if t_from_us is not None:
             where.append(f"t_start >= {int(t_from_us)}")
         if t_to_us is not None:
             where.append(f"t_start < {int(t_to_us)}")
-        sql = source if not where else f"SELECT * FROM ({source}) WHERE {' AND '.join(where)}"
-        return self.con.sql(sql)
+        if self.remote:  # no listing, no skipping: the glob as it is
+            return self.con.sql(self._sql(_sql_text(self.glob), where))
+        files = [str(p) for p in self.segments()]
+        good = [f for f in files if not _known_bad(f)]
+        try:
+            rel = self.con.sql(self._sql(self._source(files, good), where))
+        except duckdb.Error:
+            found = self._probe(good)
+            if not found:
+                raise
+            good = [f for f in good if f not in found]
+            rel = self.con.sql(self._sql(self._source(files, good), where))
+        readable = set(good)
+        self.skipped = tuple(Path(f) for f in files if f not in readable)
+        return rel
+
+    def read(
+        self,
+        query: Callable[[duckdb.DuckDBPyRelation], T],
+        t_from_us: int | None = None,
+        t_to_us: int | None = None,
+    ) -> T:
+        """``query(self.calls(t_from_us, t_to_us))``, run again without any segment whose
+        data turned out unreadable while it ran (the error names the file)."""
+        while True:
+            rel = self.calls(t_from_us, t_to_us)
+            try:
+                return query(rel)
+            except duckdb.Error as exc:
+                named = self._named_segment(exc)
+                if named is None:
+                    raise
+                # Known bad from now on (or gone from the listing): each turn drops one file.
+                _mark_bad(named, _reason(exc))
+
+    def _named_segment(self, exc: duckdb.Error) -> str | None:
+        """The segment of this store the error names, if it names one still unmarked."""
+        if self.remote:
+            return None
+        files = {str(p) for p in self.segments()}
+        for name in _NAMED_FILE.findall(str(exc)):
+            if name in files and not _known_bad(name):
+                return str(name)
+        return None
+
+    def _probe(self, files: list[str]) -> set[str]:
+        """The files whose Parquet metadata cannot be read, each marked bad (with a warning)."""
+        found = set()
+        for f in files:
+            try:
+                self.con.execute(f"SELECT count(*) FROM parquet_metadata({_sql_text(f)})")
+            except duckdb.Error as exc:
+                _mark_bad(f, _reason(exc))
+                found.add(f)
+        return found
+
+    def _source(self, files: list[str], good: list[str]) -> str | None:
+        """What ``read_parquet`` reads: the glob while every segment is readable, else the
+        list of the readable ones (``None``: there are none)."""
+        if not good:
+            return None
+        if len(good) == len(files):
+            return _sql_text(self.glob)
+        return "[" + ", ".join(map(_sql_text, good)) + "]"
+
+    @staticmethod
+    def _sql(source: str | None, where: list[str]) -> str:
+        if source is None:
+            sql = _EMPTY_SELECT + " WHERE false"
+        else:
+            sql = f"SELECT {_SELECT_TYPED} FROM read_parquet({source}, union_by_name=true)"
+        return sql if not where else f"SELECT * FROM ({sql}) WHERE {' AND '.join(where)}"
 
     def close(self) -> None:
         self.con.close()
