@@ -9,7 +9,9 @@
 # root file system (the working directory is /tmp; mount an emptyDir there).
 ARG BASE=scepsy-base:bookworm
 
-# --- virtual environments, built where pip is; the final images keep no pip and no wheels ---
+# --- the proxy: its virtual environment is built where pip is; the image keeps no pip, no
+# setuptools and no wheels. Each venv stage comes right before its image, so that building
+# --target proxy (the legacy builder builds every stage up to the target) skips the optimizer's.
 FROM ${BASE} AS proxy-venv
 COPY build/wheels /wheels
 COPY deploy/image/constraints.txt /constraints.txt
@@ -19,8 +21,18 @@ RUN set -eu; \
     /opt/scepsy/bin/pip install --no-cache-dir --no-index --no-deps --find-links /wheels \
         -r /pins.txt scepsy; \
     /opt/scepsy/bin/pip check; \
-    /opt/scepsy/bin/pip uninstall --yes pip
+    /opt/scepsy/bin/pip uninstall --yes setuptools pip
 
+FROM ${BASE} AS proxy
+COPY --from=proxy-venv /opt/scepsy /opt/scepsy
+ENV PATH=/opt/scepsy/bin:/usr/local/bin:/usr/bin:/bin \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
+WORKDIR /tmp
+USER 65532:65532
+EXPOSE 8080
+ENTRYPOINT ["scepsy-proxy"]
+
+# --- the optimizer (and the emulator) ---
 FROM ${BASE} AS optimizer-venv
 COPY build/wheels /wheels
 COPY deploy/image/constraints.txt /constraints.txt
@@ -30,17 +42,7 @@ RUN set -eu; \
     /opt/scepsy/bin/pip install --no-cache-dir --no-index --no-deps --find-links /wheels \
         -r /pins.txt scepsy; \
     /opt/scepsy/bin/pip check; \
-    /opt/scepsy/bin/pip uninstall --yes pip
-
-# --- the images ---
-FROM ${BASE} AS proxy
-COPY --from=proxy-venv /opt/scepsy /opt/scepsy
-ENV PATH=/opt/scepsy/bin:/usr/local/bin:/usr/bin:/bin \
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
-WORKDIR /tmp
-USER 65532:65532
-EXPOSE 8080
-ENTRYPOINT ["scepsy-proxy"]
+    /opt/scepsy/bin/pip uninstall --yes setuptools pip
 
 FROM ${BASE} AS optimizer
 COPY --from=optimizer-venv /opt/scepsy /opt/scepsy

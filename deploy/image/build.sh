@@ -8,6 +8,9 @@
 #                               optimizer extra, and `scepsy-engine` (the emulator)
 #
 # <version> is pyproject's; both run as uid 65532 on Debian bookworm's python3 (3.11).
+# Measured 2026-12-05 on a 2-core sandbox (docker.io 20.10, legacy builder): scepsy-proxy:0.1.0
+# 303 MB, scepsy-optimizer:0.1.0 455 MB (base 125 MB); a full run (wheels, debootstrap, both
+# images, nothing cached) 1m44s.
 #
 # No registry is needed, so it works offline and on air-gapped build hosts:
 #   1. the Python packages are wheels built here (`pip wheel`, from the package index pip is
@@ -24,6 +27,7 @@
 #   deploy/image/build.sh wheels          # only build/wheels
 #   deploy/image/build.sh constraints     # re-pin constraints.txt from .venv/bin/pip freeze
 #   REGISTRY=registry.example.com/scepsy deploy/image/build.sh   # also tag REGISTRY/<image>
+# The base image is made once and reused; `docker rmi scepsy-base:bookworm` has it made again.
 # Where no docker engine answers, it builds the wheels and stops with a message (exit 3).
 set -euo pipefail
 
@@ -102,7 +106,13 @@ base_image() {
     dir=$(mktemp -d)
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
         bookworm "$dir" "$DEBIAN_MIRROR"
-    rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
+    # No apt caches, manuals or translations in the image (about 50 MB); the packages'
+    # copyright files stay.
+    rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/cache/apt/*.bin \
+        "$dir"/var/lib/apt/lists/* "$dir"/usr/share/man/* "$dir"/usr/share/info/* \
+        "$dir"/usr/share/locale/*
+    find "$dir"/usr/share/doc -mindepth 1 -not -type d -not -name copyright -delete
+    find "$dir"/usr/share/doc -mindepth 1 -type d -empty -delete
     tar -C "$dir" -c . | docker import - "$BASE"
     rm -rf "$dir"
 }
@@ -123,7 +133,9 @@ if ! command -v docker > /dev/null || ! docker info > /dev/null 2>&1; then
 fi
 base_image
 for target in proxy optimizer; do
-    docker build --target "$target" --build-arg BASE="$BASE" --tag "scepsy-$target:$VERSION" .
+    # --network host: the RUN steps download nothing and so need no bridge network.
+    docker build --network host --target "$target" --build-arg BASE="$BASE" \
+        --tag "scepsy-$target:$VERSION" .
     if [ -n "${REGISTRY:-}" ]; then
         docker tag "scepsy-$target:$VERSION" "$REGISTRY/scepsy-$target:$VERSION"
     fi
