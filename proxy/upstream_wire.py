@@ -14,7 +14,10 @@ Invariants:
 - ``wait`` is the only suspension point; a cancelled wait closes the connection, so a
   half-read exchange can never be pooled;
 - while more than ``HIGH_WATER`` bytes wait unread, reading is paused (and the read timeout
-  does not run: the silence is ours).
+  does not run: the silence is ours);
+- a line may end in a bare LF as well as in CRLF (RFC 9112 §2.2 lets a recipient accept it), in
+  the head, chunk-size lines, chunk ends and trailers alike: such an answer is parsed as soon
+  as it is in, never left waiting for a CRLF that will not come.
 """
 
 from __future__ import annotations
@@ -290,25 +293,29 @@ class Connection(asyncio.Protocol):
         while pos < n:
             state = self.state
             if state == CHUNK_SIZE:
-                eol = data.find(b"\r\n", pos)
+                eol = data.find(b"\n", pos)
                 if eol < 0:
                     return self._keep(data, pos, _MAX_LINE, "chunk-size line")
-                line = data[pos:eol]
+                line = data[pos : eol - 1 if eol > pos and data[eol - 1] == 13 else eol]
                 if not line or line.lstrip(_HEX):  # extensions, blanks or garbage
                     line = line.split(b";", 1)[0].strip(b" \t")  # extensions: ignored
                     if not line or line.lstrip(_HEX):
                         raise UpstreamProtocolError(f"malformed chunk size {data[pos:eol][:40]!r}")
                 size = int(line, 16)
-                pos = eol + 2
+                pos = eol + 1
                 if not size:
                     self.state = TRAILER
                     continue
                 end = pos + size
                 if end + 2 <= n:  # the whole chunk is here (an SSE event, usually)
-                    if data[end : end + 2] != b"\r\n":
+                    if data[end : end + 2] == b"\r\n":
+                        out.append(data[pos:end])
+                        pos = end + 2
+                        continue
+                    if data[end] != 10:
                         raise UpstreamProtocolError("chunk data not followed by CRLF")
                     out.append(data[pos:end])
-                    pos = end + 2
+                    pos = end + 1
                 else:
                     self.remaining = size
                     self.state = CHUNK_DATA
@@ -324,6 +331,10 @@ class Connection(asyncio.Protocol):
                     else:
                         self.state = CHUNK_CRLF
             elif state == CHUNK_CRLF:
+                if data[pos] == 10:  # a bare LF
+                    pos += 1
+                    self.state = CHUNK_SIZE
+                    continue
                 if n - pos < 2:
                     return self._keep(data, pos, 2, "chunk end")
                 if data[pos : pos + 2] != b"\r\n":
@@ -331,18 +342,25 @@ class Connection(asyncio.Protocol):
                 pos += 2
                 self.state = CHUNK_SIZE
             elif state == HEAD:
-                end = data.find(b"\r\n\r\n", pos)
+                # The head ends at its first empty line: "\n\r\n" (the tail of "\r\n\r\n"),
+                # or "\n\n" where lines end in bare LFs.
+                end = data.find(b"\n\r\n", pos)
+                bare = data.find(b"\n\n", pos, end if end >= 0 else n)
+                if bare >= 0:
+                    self._parse_head(data[pos:bare])
+                    pos = bare + 2
+                    continue
                 if end < 0:
                     return self._keep(data, pos, _MAX_HEAD, "response head")
                 self._parse_head(data[pos:end])
-                pos = end + 4
+                pos = end + 3
             elif state == TRAILER:
-                eol = data.find(b"\r\n", pos)
+                eol = data.find(b"\n", pos)
                 if eol < 0:
                     return self._keep(data, pos, _MAX_LINE, "trailer line")
-                if eol == pos:
+                if eol == pos or (eol == pos + 1 and data[pos] == 13):
                     self._finish()
-                pos = eol + 2  # a trailer field: dropped (engines send none)
+                pos = eol + 1  # a trailer field: dropped (engines send none)
             elif state == EOF:
                 out.append(data if pos == 0 else data[pos:])
                 return
@@ -358,7 +376,12 @@ class Connection(asyncio.Protocol):
             self.rest = data[pos:] if pos else data
 
     def _parse_head(self, head: bytes) -> None:
-        lines = head.decode("latin-1").split("\r\n")
+        text = head.decode("latin-1")
+        if text.endswith("\r"):
+            text = text[:-1]
+        lines = text.split("\r\n")
+        if len(lines) - 1 != text.count("\n"):  # some lines end in a bare LF
+            lines = [line.removesuffix("\r") for line in text.split("\n")]
         parts = lines[0].split(" ", 2)
         version = parts[0]
         if (

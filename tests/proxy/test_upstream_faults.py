@@ -343,6 +343,15 @@ WIRE_CASES = [
     (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\nz", b"z", True),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", b"ok", False),
     (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", b"", False),
+    # Bare LF line endings (RFC 9112 §2.2 lets a recipient accept them), whole or mixed.
+    (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok", b"ok", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nok", b"ok", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\nok", b"ok", True),
+    (
+        b"HTTP/1.1 200 OK\nTransfer-Encoding: chunked\n\n5\nhello\n6;x\r\n world\n0\nT: t\n\n",
+        b"hello world",
+        True,
+    ),
 ]
 
 
@@ -379,5 +388,27 @@ def test_parser_byte_by_byte(run: Run) -> None:
             assert conn.body_done and b"".join(conn.pieces) == expected
             assert conn.keep_alive is reusable
             conn.connection_lost(None)
+
+    run(body)
+
+
+def test_bare_lf_answer_is_parsed_at_once(run: Run) -> None:
+    """An engine answering with bare-LF line endings is read as soon as its bytes are in, not
+    after the read timeout (300 s here)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: 2\n\n{}")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+
+    async def body() -> None:
+        async with raw_server(handler) as (url, _):
+            client = UpstreamClient(read_timeout_s=300.0)
+            r = await asyncio.wait_for(client.request("POST", url, "/", [], b""), 2.0)
+            assert r.status == 200 and r.headers["Content-Type"] == "application/json"
+            assert await asyncio.wait_for(r.read(), 2.0) == b"{}"
+            r.release()
+            await client.close()
 
     run(body)
