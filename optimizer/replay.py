@@ -183,8 +183,8 @@ def load_workload(store: str | Path, model: str, *, served_model: str | None = N
     """Read ``model``'s calls from the store and build its workload (ReplayError if none)."""
     reader = StoreReader(store)
     try:
-        rel = reader.calls().filter(f"model = {_quote(model)}")
-        rows = rel.select(", ".join(_COLUMNS)).fetchall()
+        rows = reader.read(lambda calls: calls.filter(f"model = {_quote(model)}")
+                           .select(", ".join(_COLUMNS)).fetchall())
     finally:
         reader.close()
     if not rows:

@@ -378,7 +378,8 @@ def summarise_store(
     reader = StoreReader(store)
     try:
         t_from = None if window.t_from_us is None else window.t_from_us - lookback_us
-        calls = reader.calls(t_from, window.t_to_us)
-        return summarise(reader.con, calls, window, union_cap)
+        # read(): a segment found unreadable mid-way is skipped and the summary run again.
+        return reader.read(lambda calls: summarise(reader.con, calls, window, union_cap),
+                           t_from, window.t_to_us)
     finally:
         reader.close()

@@ -183,6 +183,16 @@ _bad: dict[str, tuple[int, int, str]] = {}
 _NAMED_FILE = re.compile(r"""['"]([^'"]+\.parquet)['"]""")
 
 
+# Errors that say nothing about the files (a query's own mistake, memory, an interrupt).
+_NOT_THE_FILES: tuple[type[duckdb.Error], ...] = (
+    duckdb.BinderException,
+    duckdb.CatalogException,
+    duckdb.ParserException,
+    duckdb.InterruptException,
+    duckdb.OutOfMemoryException,
+)
+
+
 def _stamp(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -233,8 +243,12 @@ def _sql_text(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _reason(exc: duckdb.Error) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"[:300]
+def _reason(exc: duckdb.Error, path: str) -> str:
+    """DuckDB's first line, without the path the warning names already."""
+    text = (str(exc).splitlines() or [""])[0]
+    for quoted in (f"'{path}'", f'"{path}"'):
+        text = text.replace(f" {quoted}", "").replace(quoted, "")
+    return " ".join(text.split())[:300] or type(exc).__name__
 
 
 class StoreReader:
@@ -252,6 +266,7 @@ class StoreReader:
         self.store = str(store)
         self.con = con or duckdb.connect(":memory:")
         self.skipped: tuple[Path, ...] = ()  # the unreadable segments the last read left out
+        self._readable: list[str] = []  # the segments the last read read
 
     @property
     def glob(self) -> str:
@@ -288,6 +303,7 @@ class StoreReader:
             rel = self.con.sql(self._sql(self._source(files, good), where))
         readable = set(good)
         self.skipped = tuple(Path(f) for f in files if f not in readable)
+        self._readable = good
         return rel
 
     def read(
@@ -297,17 +313,21 @@ class StoreReader:
         t_to_us: int | None = None,
     ) -> T:
         """``query(self.calls(t_from_us, t_to_us))``, run again without any segment whose
-        data turned out unreadable while it ran (the error names the file)."""
+        data turned out unreadable while it ran: the one the error names, or else those a
+        full read of each finds unreadable (none: the error is raised as it is)."""
         while True:
             rel = self.calls(t_from_us, t_to_us)
             try:
                 return query(rel)
+            except _NOT_THE_FILES:
+                raise
             except duckdb.Error as exc:
+                # Each turn marks a file bad (or finds it gone from the listing): the loop ends.
                 named = self._named_segment(exc)
-                if named is None:
+                if named is not None:
+                    _mark_bad(named, _reason(exc, named))
+                elif not self._probe(self._readable, deep=True):
                     raise
-                # Known bad from now on (or gone from the listing): each turn drops one file.
-                _mark_bad(named, _reason(exc))
 
     def _named_segment(self, exc: duckdb.Error) -> str | None:
         """The segment of this store the error names, if it names one still unmarked."""
@@ -319,14 +339,20 @@ class StoreReader:
                 return str(name)
         return None
 
-    def _probe(self, files: list[str]) -> set[str]:
-        """The files whose Parquet metadata cannot be read, each marked bad (with a warning)."""
+    def _probe(self, files: list[str], *, deep: bool = False) -> set[str]:
+        """The files whose Parquet metadata (``deep``: or any value) cannot be read, each
+        marked bad (with a warning)."""
         found = set()
         for f in files:
+            sql = (
+                f"SELECT max(hash(COLUMNS(*))) FROM read_parquet({_sql_text(f)})"
+                if deep
+                else f"SELECT count(*) FROM parquet_metadata({_sql_text(f)})"
+            )
             try:
-                self.con.execute(f"SELECT count(*) FROM parquet_metadata({_sql_text(f)})")
+                self.con.execute(sql).fetchall()
             except duckdb.Error as exc:
-                _mark_bad(f, _reason(exc))
+                _mark_bad(f, _reason(exc, f))
                 found.add(f)
         return found
 
