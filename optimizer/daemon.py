@@ -25,7 +25,12 @@ Invariants:
 - every pass logs one line with its decision's kind, outcome and reasons (INFO; WARNING for an
   error or a failed rollout);
 - a failed pass or rollout is logged and recorded; the loop keeps going. Cancelling the loop
-  (SIGTERM) interrupts at most one await: engines keep running, and the next daemon resumes.
+  (SIGTERM) interrupts at most one await: engines keep running, and the next daemon resumes;
+- ``/health/ready`` (and ``/health``, its old name) reports the passes: 503 with the last
+  error after ``optimizer.health_failed_passes`` failed passes in a row, or when none has
+  succeeded for 3 intervals + 60 s; ``/health/live`` is 200 while the server answers;
+- an unreadable trace-store segment is skipped by the readers (:mod:`shared.store`), named in
+  a warning and counted in ``scepsy_optimizer_store_unreadable_segments``: it fails no pass.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ from optimizer.search import SearchResult, replica_demands, search_and_place
 from optimizer.stats import Window, WorkflowStats, summarise_store
 from shared.cluster import cluster_from_settings
 from shared.settings import Settings
-from shared.store import StoreReader
+from shared.store import StoreReader, unreadable_segments
 
 __all__ = ["DAEMON", "Daemon", "TickReport", "make_app"]
 
@@ -111,7 +116,7 @@ def first_call_us(store: str) -> int | None:
     """When the store's first recorded call started (``None``: nothing recorded yet)."""
     reader = StoreReader(store)
     try:
-        rows = reader.calls().aggregate("min(t_start)").fetchall()
+        rows = reader.read(lambda calls: calls.aggregate("min(t_start)").fetchall())
     finally:
         reader.close()
     return None if not rows or rows[0][0] is None else int(rows[0][0])
@@ -121,7 +126,7 @@ def recent_models(store: str, since_us: int) -> set[str]:
     """Models with a call recorded as starting at or after ``since_us``."""
     reader = StoreReader(store)
     try:
-        rows = reader.calls(since_us).aggregate("model").fetchall()
+        rows = reader.read(lambda calls: calls.aggregate("model").fetchall(), since_us)
     finally:
         reader.close()
     return {str(r[0]) for r in rows if r[0] is not None}
@@ -140,7 +145,10 @@ class Daemon:
     ticks: int = 0
     errors: int = 0
     last: TickReport | None = None
-    last_tick_end: float | None = None  # monotonic
+    last_tick_end: float | None = None  # monotonic, of the last successful pass
+    failures_in_a_row: int = 0  # passes that raised since the last successful one
+    last_error: str | None = None  # the last failed pass's error, one line
+    started: float | None = None  # monotonic, when run() began
     _data_start_us: int | None = None
     _book_cache: tuple[int | None, ProfileBook] | None = None
     _known: dict[str, Pipeline] = field(default_factory=dict)  # last trusted pipelines
@@ -155,6 +163,12 @@ class Daemon:
     # --- one pass --------------------------------------------------------------------------
     def _read(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
         """Statistics of the window ending at ``now``, and the window's length (s)."""
+        try:
+            return self._read_window(now)
+        finally:  # what the readers skipped, this pass (a bad segment never fails a pass)
+            self.metrics.unreadable_segments.set(len(unreadable_segments(self.store)))
+
+    def _read_window(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
         if self._data_start_us is None:
             self._data_start_us = first_call_us(self.store)
         now_us = round(now * US)
@@ -353,22 +367,37 @@ class Daemon:
     # --- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled."""
+        self.started = time.monotonic()
         while True:
             t0 = time.monotonic()
             try:
                 await self.tick()
-            except Exception:  # one bad pass (store unreadable, backend down) is not fatal
+                self.failures_in_a_row, self.last_error = 0, None
+            except Exception as exc:  # one bad pass (store unreadable, backend down) is not fatal
                 self.errors += 1
+                self.failures_in_a_row += 1
+                self.last_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
                 log.exception("optimizer pass failed")
             await asyncio.sleep(max(0.0, self.cfg.interval_s - (time.monotonic() - t0)))
 
     def health(self) -> tuple[bool, dict[str, object]]:
-        """Healthy while passes keep completing (or before the first one is due)."""
-        age = None if self.last_tick_end is None else time.monotonic() - self.last_tick_end
-        ok = age is None or age < 3 * self.cfg.interval_s + 60.0
-        return ok, {"status": "ok" if ok else "stalled", "ticks": self.ticks,
-                    "errors": self.errors, "seconds_since_last_pass": age,
-                    "last_decision": None if self.last is None else self.last.decision.kind}
+        """Readiness: ``False`` once ``health_failed_passes`` passes in a row failed
+        ("failing", with the last error), or when no pass has succeeded for 3 intervals + 60 s
+        since the last success or the start ("stalled"); ``True`` before the first pass is
+        due. Liveness is the server answering at all (``/health/live``)."""
+        now = time.monotonic()
+        since = self.last_tick_end if self.last_tick_end is not None else self.started
+        failing = self.failures_in_a_row >= self.cfg.health_failed_passes
+        stalled = since is not None and now - since >= 3 * self.cfg.interval_s + 60.0
+        status = "failing" if failing else "stalled" if stalled else "ok"
+        age = None if self.last_tick_end is None else now - self.last_tick_end
+        return status == "ok", {
+            "status": status, "ticks": self.ticks, "errors": self.errors,
+            "failed_passes_in_a_row": self.failures_in_a_row, "last_error": self.last_error,
+            "seconds_since_last_pass": age,
+            "last_decision": None if self.last is None else self.last.decision.kind,
+            "unreadable_segments": len(unreadable_segments(self.store)),
+        }
 
 
 def _log_decision(report: TickReport) -> None:
@@ -401,9 +430,16 @@ DAEMON = web.AppKey("daemon", Daemon)
 
 
 async def _health(request: web.Request) -> web.Response:
+    """Readiness (``/health/ready``, and ``/health`` as before): 503 while passes fail."""
     ok, body = request.app[DAEMON].health()
     return web.Response(status=200 if ok else 503, body=orjson.dumps(body),
                         content_type="application/json")
+
+
+async def _live(request: web.Request) -> web.Response:
+    """Liveness: the process and its event loop answer, whatever the passes do (a restart
+    would not mend an unreadable store or a backend that is down)."""
+    return web.Response(body=b'{"status":"alive"}', content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -425,6 +461,8 @@ def make_app(daemon: Daemon, *, loop: bool = True) -> web.Application:
     app = web.Application()
     app[DAEMON] = daemon
     app.router.add_get("/health", _health)
+    app.router.add_get("/health/ready", _health)
+    app.router.add_get("/health/live", _live)
     app.router.add_get("/metrics", _metrics)
     if loop:
         app.cleanup_ctx.append(_loop_ctx)

@@ -4,7 +4,7 @@ Role: what the daemon learned and decided, as gauges the Grafana dashboard in ``
 queries: per workflow the arrival rate, observed and predicted latency; per (workflow, model)
 ``n_m`` and ``p_m``; per model the replicas and GPU-equivalents allocated; counters of
 decisions (``code`` = the decision's kind) and rollouts (``code`` = ok / failed); histograms of
-search and rollout time.
+search and rollout time; the store's segments the readers skip as unreadable.
 
 Invariants: the registry belongs to one :class:`DaemonMetrics` (tests and demos may run several
 daemons in one process); gauges describing the current state are cleared before each update,
@@ -62,6 +62,10 @@ class DaemonMetrics:
                                      buckets=_SEARCH_BUCKETS, registry=r)
         self.decisions = Counter(names.OPTIMIZER_DECISIONS, "Decisions, by kind",
                                  ["code"], registry=r)
+        self.unreadable_segments = Gauge(
+            names.OPTIMIZER_UNREADABLE_SEGMENTS,
+            "Trace-store segments skipped as unreadable (truncated or corrupt files; each is "
+            "named in a warning)", registry=r)
 
     def observe_stats(self, stats: Mapping[str, WorkflowStats]) -> None:
         for gauge in (self.rate, self.observed, self.calls, self.parallelism):

@@ -56,6 +56,8 @@ OPTIMIZER_ROLLOUTS = "scepsy_optimizer_rollouts_total"  # code: ok, failed
 OPTIMIZER_ROLLOUT_DURATION = "scepsy_optimizer_rollout_duration_seconds"  # histogram
 OPTIMIZER_SEARCH_DURATION = "scepsy_optimizer_search_duration_seconds"  # histogram
 OPTIMIZER_DECISIONS = "scepsy_optimizer_decisions_total"  # code: the decision's reason
+# Trace-store segments the readers skip as unreadable (truncated, corrupt): a gauge.
+OPTIMIZER_UNREADABLE_SEGMENTS = "scepsy_optimizer_store_unreadable_segments"
 
 OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_WORKFLOW_RATE,
@@ -69,4 +71,5 @@ OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_ROLLOUT_DURATION,
     OPTIMIZER_SEARCH_DURATION,
     OPTIMIZER_DECISIONS,
+    OPTIMIZER_UNREADABLE_SEGMENTS,
 )

@@ -24,7 +24,11 @@ from typing import Literal
 
 from shared.settings_schema import SettingsError, setting
 
-__all__ = ["OptimizerSettings"]
+__all__ = ["MAX_GRANULARITY", "OptimizerSettings"]
+
+# The search's tables grow with GPUs x granularity (10,000,000 asked for 1.16 TiB); shares finer
+# than 1% of a GPU are below what an engine's memory fraction can tell apart anyway.
+MAX_GRANULARITY = 100
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,12 @@ class OptimizerSettings:
     reprofile_min_interval_s: float = setting(
         3600.0, doc="least time between two profiling runs of one model"
     )
-    granularity: int = setting(10, doc="GPU-share units per GPU the search considers")
+    granularity: int = setting(
+        10,
+        doc=f"GPU-share units per GPU the search considers (1 to {MAX_GRANULARITY}); the "
+        "search's time grows about with its cube (8 GPUs: 10 takes about a second, 100 about "
+        "40 s and 4.5 GB)",
+    )
     reserve_gpus: int = setting(
         0,
         doc="whole GPUs the search leaves free (the highest-numbered of the last node), so "
@@ -97,6 +106,12 @@ class OptimizerSettings:
     apply: bool = setting(
         True, doc="roll decisions out (false: decide, record and export metrics only)"
     )
+    health_failed_passes: int = setting(
+        3,
+        doc="consecutive failed passes (an exception: store or backend unreadable) after which "
+        "/health/ready and /health answer 503 with the last error; they do too when no pass "
+        "has succeeded for 3 x interval_s + 60 s",
+    )
 
     def __post_init__(self) -> None:
         for key in ("interval_s", "window_s", "horizon_s"):
@@ -111,9 +126,12 @@ class OptimizerSettings:
                 raise SettingsError(key, "must be positive (a relative change, 0.3 = 30%)")
         if self.settle_s >= self.window_s:
             raise SettingsError("settle_s", "must be shorter than window_s")
+        if self.granularity > MAX_GRANULARITY:
+            raise SettingsError("granularity", f"must be at most {MAX_GRANULARITY}, got "
+                                f"{self.granularity}")
         if self.reserve_gpus < 0:
             raise SettingsError("reserve_gpus", "must not be negative")
-        for key in ("windows_to_confirm", "granularity", "min_requests"):
+        for key in ("windows_to_confirm", "granularity", "min_requests", "health_failed_passes"):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")
         # Imported here: shared.settings imports this module to build the root settings.
