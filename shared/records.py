@@ -8,7 +8,8 @@ Invariants:
   ``None`` when unknown (a stream cut before its usage event leaves usage unknown, not zero);
 - a retried call keeps its ``call_id``; ``attempt`` counts from 0 across client retries
   (``x-stainless-retry-count``) and the proxy's own retry;
-- ``body`` never holds credentials: :func:`scrub_body` removes secret-looking keys;
+- ``body`` never holds credentials: :func:`scrub_body` removes secret-looking keys
+  (:func:`is_secret_name`), and ``error`` text is passed through :func:`redact_text`;
 - every row the store is handed has passed :func:`storable`: integers fit their column (else
   null),
   text is valid UTF-8 (a lone surrogate, from a non-UTF-8 byte a client sent, becomes U+FFFD)
@@ -24,9 +25,10 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
@@ -179,55 +181,66 @@ def new_call_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
-# Keys whose values are credentials wherever they appear in a body (compared lower-case,
-# with '-' and '_' removed). Body keys like "max_tokens" are not secrets: match whole names.
+# Keys whose values are credentials wherever they appear in a body, compared normalised (lower
+# case, without '-', '_', '.' and blanks, so `refreshToken`, `refresh-token` and
+# `REFRESH_TOKEN` are one name). Body keys like "max_tokens" are not secrets: a name is a secret
+# when it is one of these, ends in one of the suffixes, or holds one of the words.
 _SECRET_KEYS = frozenset(
-    {
-        "apikey",
-        "authorization",
-        "password",
-        "secret",
-        "token",
-        "accesstoken",
-        "clientsecret",
-        "bearer",
-        "xapikey",
-        "openaiapikey",
-        "key",
-    }
+    {"auth", "authorization", "bearer", "jwt", "key", "pwd", "secret", "token", "xapikey"}
 )
+_SECRET_SUFFIXES = ("token", "apikey", "secretkey", "privatekey", "accesskey", "signingkey")
+_SECRET_WORDS = ("secret", "password", "passwd", "passphrase", "credential", "cookie", "apikey")
+# Names that end like a secret and are not one: tokenizer special tokens a chat template names.
+_NOT_SECRET = frozenset({"bostoken", "eostoken", "padtoken", "unktoken", "septoken", "clstoken"})
+MAX_BODY_DEPTH = 200  # nesting a stored body may have (orjson writes at most 254 levels)
 # Cache of key -> is it a secret's name; bodies repeat the same few keys ("model", "role",
 # "content", ...), so the normalisation runs once per distinct key, not once per call.
 _KEY_IS_SECRET: dict[str, bool] = {}
 _MAX_CACHED_KEYS = 4096
 
 
+class BodyTooDeep(ValueError):
+    """A request body nested deeper than :data:`MAX_BODY_DEPTH`: no real call is."""
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a body key (or header name) names a credential (see ``_SECRET_KEYS``)."""
+    norm = name.lower().replace("-", "").replace("_", "").replace(".", "").replace(" ", "")
+    if norm in _SECRET_KEYS:
+        return True
+    if norm in _NOT_SECRET:
+        return False
+    return norm.endswith(_SECRET_SUFFIXES) or any(word in norm for word in _SECRET_WORDS)
+
+
 def _is_secret_key(key: object) -> bool:
     name = key if isinstance(key, str) else str(key)
     known = _KEY_IS_SECRET.get(name)
     if known is None:
-        norm = name.lower().replace("-", "").replace("_", "")
-        known = norm in _SECRET_KEYS or norm.endswith(("apikey", "secret", "password"))
+        known = is_secret_name(name)
         if len(_KEY_IS_SECRET) < _MAX_CACHED_KEYS:
             _KEY_IS_SECRET[name] = known
     return known
 
 
-def _has_secret(value: Any) -> bool:
+def _has_secret(value: Any, depth: int = 0) -> bool:
     """Whether :func:`_scrub` would redact anything: a walk over keys only, so its cost
-    follows the body's structure, not the length of its prompts."""
+    follows the body's structure, not the length of its prompts. Refuses a body nested past
+    :data:`MAX_BODY_DEPTH` (:class:`BodyTooDeep`) before the walk can exhaust the stack."""
+    if depth > MAX_BODY_DEPTH:
+        raise BodyTooDeep(f"the body is nested deeper than {MAX_BODY_DEPTH} levels")
     if isinstance(value, dict):
         known = _KEY_IS_SECRET.get
         for key, item in value.items():
             secret = known(key)
             if secret if secret is not None else _is_secret_key(key):
                 return True
-            if isinstance(item, (dict, list)) and _has_secret(item):
+            if isinstance(item, (dict, list)) and _has_secret(item, depth + 1):
                 return True
         return False
     if isinstance(value, list):
         for item in value:
-            if isinstance(item, (dict, list)) and _has_secret(item):
+            if isinstance(item, (dict, list)) and _has_secret(item, depth + 1):
                 return True
     return False
 
@@ -254,8 +267,27 @@ def scrub_body(raw: bytes, parsed: Any) -> str:
     """The body as stored: the raw JSON text, or a re-serialised copy with secrets redacted.
 
     The common case (no secret-named key) costs a walk over the keys and a single decode.
+    Raises :class:`BodyTooDeep` for a body nested past :data:`MAX_BODY_DEPTH` (whose walk
+    could exhaust the stack, and which orjson could not write back).
     """
     if _has_secret(parsed):
         cleaned, _ = _scrub(parsed)
         return orjson.dumps(cleaned).decode()
     return raw.decode("utf-8", errors="replace")
+
+
+# What a key looks like in free text: OpenAI-style keys (sk-..., sk-proj-...), Hugging Face
+# tokens (hf_...), and whatever follows "Bearer".
+_KEY_IN_TEXT = re.compile(
+    r"\b(?:sk-[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{8,})|(?i:bearer)\s+[^\s\"',;]{4,}"
+)
+
+
+def redact_text(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """``text`` (an upstream's error message, which may echo the request's headers) with
+    each of ``secrets`` (the keys the call carried) and anything that looks like an API key
+    replaced by ``[redacted]``."""
+    for secret in secrets:
+        if secret and len(secret) >= 4 and secret in text:
+            text = text.replace(secret, "[redacted]")
+    return _KEY_IN_TEXT.sub("[redacted]", text)
