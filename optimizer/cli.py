@@ -1,7 +1,9 @@
 """The ``scepsy`` command: a dispatcher over subcommands, one module per subcommand.
 
 Role: parse the command line, hand the parsed arguments to the subcommand's ``run``, and turn
-the optimizer's errors into one-line messages (exit status 2) instead of tracebacks.
+the optimizer's errors into one-line messages (exit status 2) instead of tracebacks: a
+:class:`UsageError` or a :class:`~shared.settings_schema.SettingsError` (an unreadable, binary,
+too deep or out-of-range settings or scenario file) that a command lets through.
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Only the
 chosen subcommand's module is imported, so ``scepsy stats`` does not pay for the profiler's,
@@ -16,9 +18,11 @@ import importlib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
 from shared import logs
+from shared.settings_schema import SettingsError
 from shared.version import add_version_argument
 
 # name -> (module, one-line help). The help lives here so that listing the commands imports
@@ -68,6 +72,16 @@ def parse_duration_s(text: str) -> float:
     if not match:
         raise UsageError(f"not a duration: {text!r} (use e.g. 30s, 15m, 2h)")
     return float(match.group(1)) * _UNIT_S[match.group(2)]
+
+
+def existing_store(path: Path) -> Path:
+    """``path`` when it is a folder: a command reading a store says so when it is missing,
+    instead of reading it as empty."""
+    if not path.exists():
+        raise UsageError(f"store folder {path} does not exist")
+    if not path.is_dir():
+        raise UsageError(f"store {path} is not a folder")
+    return path
 
 
 # Top-level packages the extras bring (pyproject.toml): a command that needs one the install
@@ -128,11 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(_chosen(words)).parse_args(words)
         logs.configure_from_args(args, "INFO" if args.command == "run" else "WARNING")
         code: int = _module(args.command).run(args)
-    except (UsageError, MissingExtraError) as exc:
-        print(" ".join(filter(None, ["scepsy", _chosen(words)])) + f": {exc}", file=sys.stderr)
+    except (UsageError, MissingExtraError, SettingsError) as exc:
+        # One line, whatever the message holds: a bad input is never a traceback (DESIGN §5).
+        message = " ".join(str(exc).split())
+        print(" ".join(filter(None, ["scepsy", _chosen(words)])) + f": {message}", file=sys.stderr)
         return 2
     return code
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # As ``python -m optimizer.cli`` this module is ``__main__``, whose UsageError is not the
+    # one the subcommands raise (they import optimizer.cli): run the imported module's main.
+    from optimizer.cli import main as _main
+
+    raise SystemExit(_main())

@@ -31,18 +31,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import orjson
 from rich.console import Console
 from rich.table import Table
 
 from optimizer.alp import Pipeline, predict
-from optimizer.cli import UsageError
+from optimizer.cli import UsageError, existing_store
 from optimizer.placement import Placement
 from optimizer.profiles import ProfileBook, ProfileError, load_points
 from optimizer.scenario import load_scenario, problem
 from optimizer.search import SearchResult, WorkflowAllocation, search, search_and_place
 from optimizer.search_space import SearchError, SearchProblem, WorkflowTarget
 from shared.cluster import GB, ClusterError, cluster_from_settings
+from shared.optimizer_settings import MAX_GRANULARITY
 from shared.settings_schema import SettingsError
 
 
@@ -83,12 +85,16 @@ def _from_store(args: argparse.Namespace) -> SearchProblem:
     if args.config is None:
         raise UsageError("--store needs --config FILE (the cluster and the models' floors)")
     settings = load_settings(args.config)
-    stats = summarise_store(args.store)
+    existing_store(args.store)
+    try:
+        stats = summarise_store(args.store)
+        points = load_points(args.store)
+    except duckdb.Error as exc:
+        raise UsageError(f"cannot read the store at {args.store}: {exc}") from exc
     workflows = [WorkflowTarget(Pipeline.from_stats(s), s.arrival_rate)
                  for s in stats.values() if s.requests > 0 and s.arrival_rate > 0]
     if not workflows:
         raise UsageError(f"no completed workflow requests recorded in {args.store}")
-    points = load_points(args.store)
     if not points:
         raise UsageError(f"no profiles in {args.store} (run `scepsy profile` first)")
     knobs = settings.optimizer
@@ -112,6 +118,10 @@ def build_problem(args: argparse.Namespace) -> SearchProblem:
         changes: dict[str, Any] = {"workflows": tuple(
             WorkflowTarget(w.pipeline, rates.get(w.pipeline.workflow, w.rate))
             for w in prob.workflows)}
+        if args.granularity is not None and not 1 <= args.granularity <= MAX_GRANULARITY:
+            raise UsageError(f"--granularity must be between 1 and {MAX_GRANULARITY}")
+        if args.headroom is not None and not 0 <= args.headroom < math.inf:
+            raise UsageError("--headroom must be a finite number, at least 0")
         for key in ("granularity", "headroom", "welfare"):
             if getattr(args, key) is not None:
                 changes[key] = getattr(args, key)

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from optimizer.cli import UsageError
+from optimizer.cli import UsageError, existing_store
 from optimizer.profile_window import QUICK, SweepSettings, Target, clock_lag
 from optimizer.profiler import (
     PointResult,
@@ -426,6 +426,7 @@ def run(args: argparse.Namespace) -> int:
             save_points(args.store, points)
             title = f"profile of {args.model} (imported from {args.from_json})"
         else:
+            existing_store(args.store)  # replaying reads it; an import may start one
             try:
                 workload = load_workload(args.store, args.model)
             except ReplayError as exc:

@@ -24,7 +24,7 @@ from aiohttp import web
 from optimizer.backend import Backend
 from optimizer.cli import UsageError
 from optimizer.daemon import Daemon, make_app
-from shared.cluster import cluster_from_settings
+from shared.cluster import ClusterError, cluster_from_settings
 from shared.settings import Settings, SettingsError, load_settings, parse_host_port
 
 
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(args.config)
         listen = args.listen or settings.optimizer.listen
         parse_host_port(listen, "--listen")
-    except SettingsError as exc:
+        backend = make_backend(settings)
+    except (SettingsError, ClusterError) as exc:
         raise UsageError(str(exc)) from exc
-    backend = make_backend(settings)
     if args.once:
         print(orjson.dumps(asyncio.run(_once(settings, backend)),
                            option=orjson.OPT_INDENT_2).decode())

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from optimizer.alp import Overlap, Pipeline, Stage
 from optimizer.profiles import ProfileBook, ProfileError, ProfilePoint, import_json
 from optimizer.search_space import SearchProblem, WorkflowTarget
 from shared.cluster import GB, ClusterSettings, cluster_from_settings
+from shared.optimizer_settings import MAX_GRANULARITY
 from shared.settings_schema import SettingsError, decode, setting
+from shared.yaml_file import read_yaml
 
 __all__ = ["Scenario", "load_scenario", "problem"]
 
@@ -149,7 +149,8 @@ class Scenario:
     profiles: tuple[ScenarioProfile, ...] = setting(factory=tuple, doc="inline profile curves")
     profile_file: str | None = setting(None, doc="profile JSON (scepsy profile export format)")
     description: str = setting("", doc="what the scenario is (say where numbers came from)")
-    granularity: int = setting(10, doc="GPU units per GPU the search allocates in")
+    granularity: int = setting(
+        10, doc=f"GPU units per GPU the search allocates in (1 to {MAX_GRANULARITY})")
     headroom: float = setting(0.1, doc="throughput must cover rate x (1 + headroom)")
     welfare: Literal["egalitarian", "social"] = setting("egalitarian", doc="workflow split")
     stat: Literal["mean", "p50", "p90", "p99"] = setting("mean", doc="latency statistic")
@@ -161,8 +162,9 @@ class Scenario:
                 raise SettingsError(f"workflows[{i}].name", f"{name!r} is listed twice")
         if not self.workflows:
             raise SettingsError("workflows", "at least one workflow is needed")
-        if self.granularity < 1:
-            raise SettingsError("granularity", "must be at least 1")
+        if not 1 <= self.granularity <= MAX_GRANULARITY:
+            raise SettingsError("granularity", f"must be between 1 and {MAX_GRANULARITY}, got "
+                                f"{self.granularity}")
         if self.headroom < 0:
             raise SettingsError("headroom", "must not be negative")
 
@@ -182,12 +184,7 @@ def _points(scenario: Scenario, gpu_type: str) -> list[ProfilePoint]:
 def load_scenario(path: str | Path) -> tuple[Scenario, list[ProfilePoint]]:
     """Read and validate a scenario file, and its profile points (inline and from the file)."""
     path = Path(path)
-    try:
-        data: Any = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise SettingsError("", f"cannot read scenario {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise SettingsError("", f"{path} is not valid YAML: {exc}") from exc
+    data: Any = read_yaml(path, "scenario")
     scenario = decode(Scenario, data)
     cluster = cluster_from_settings(scenario.cluster)
     points = _points(scenario, cluster.gpu_types[0])

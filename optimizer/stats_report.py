@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import orjson
 
-from optimizer.cli import UsageError, parse_duration_s
+from optimizer.cli import UsageError, existing_store, parse_duration_s
 from optimizer.stats import Window, WorkflowStats, summarise_store
 
 if TYPE_CHECKING:
@@ -112,7 +112,8 @@ def _window(store: Path, text: str) -> Window:
         raise UsageError("--window must be positive")
     reader = StoreReader(store)
     try:
-        rows = reader.calls().aggregate("max(coalesce(t_end, t_start))").fetchall()
+        rows = reader.read(
+            lambda calls: calls.aggregate("max(coalesce(t_end, t_start))").fetchall())
     finally:
         reader.close()
     if not rows or rows[0][0] is None:
@@ -122,6 +123,7 @@ def _window(store: Path, text: str) -> Window:
 
 
 def run(args: argparse.Namespace) -> int:
+    existing_store(args.store)
     try:
         cap = None if args.exact else UNION_CALLS_CAP
         stats = summarise_store(args.store, _window(args.store, args.window), union_cap=cap)

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
-
 from shared.cluster import ClusterSettings
 from shared.optimizer_settings import OptimizerSettings
 from shared.rollout_settings import RolloutSettings
 from shared.settings_schema import SettingsError, decode, describe, setting
+from shared.yaml_file import read_yaml
 
 __all__ = [
     "ProxySettings",
@@ -42,7 +41,8 @@ __all__ = [
 def parse_host_port(value: str, key: str) -> tuple[str, int]:
     """Split ``HOST:PORT`` (``[::1]:80`` allowed), or raise naming ``key``."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # isascii: "²" is a digit to str.isdigit and not to int()
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise SettingsError(key, f"expected HOST:PORT, got {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
 
@@ -320,13 +320,6 @@ def settings_from_mapping(data: Any, env: Mapping[str, str] | None = os.environ)
 
 
 def load_settings(path: str | Path) -> Settings:
-    """Read and validate one YAML settings file (environment references resolved)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SettingsError("", f"cannot read settings file {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SettingsError("", f"{path} is not valid YAML: {exc}") from exc
-    return settings_from_mapping(data)
+    """Read and validate one YAML settings file (environment references resolved); whatever
+    the file holds, a problem is a one-line ``SettingsError`` (see ``shared.yaml_file``)."""
+    return settings_from_mapping(read_yaml(path, "settings file"))

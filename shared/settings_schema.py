@@ -7,6 +7,8 @@ type hints, so a section never writes parsing code of its own.
 Invariants:
 - an unknown key, a missing required key, or a value of the wrong type raises
   :class:`SettingsError` whose ``path`` is the full dotted/indexed key (``proxy.upstreams[1].url``);
+- numbers are finite (``.inf`` and ``.nan`` are refused) and integers fit 64 bits, for every
+  settings section and scenario alike;
 - a section's own ``__post_init__`` checks raise :class:`SettingsError` with a path relative to
   that section; the decoder prefixes it, so the user still sees the full path;
 - nothing here touches the file system: loading the YAML file lives in ``shared.settings``;
@@ -20,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -27,6 +30,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
+
+# Integers past 64 bits mean nothing in any setting, and numpy, DuckDB or the OS would fail on
+# them later with a traceback instead of a key path.
+INT_LIMIT = 2**63
 
 # The two spellings of an environment-variable reference; the whole value must be one.
 _ENV_REF = re.compile(r"os\.environ/([A-Za-z_][A-Za-z0-9_]*)|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -85,6 +92,12 @@ def setting(default: Any = dataclasses.MISSING, *, doc: str, factory: Any = None
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: an error message stays one readable line."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -113,14 +126,15 @@ def _decode(tp: Any, value: Any, path: str, env: Mapping[str, str] | None) -> An
             errors[0]
             if len(errors) == 1
             else SettingsError(
-                path, f"expected one of {', '.join(_type_name(a) for a in args)}, got {value!r}"
+                path,
+                f"expected one of {', '.join(_type_name(a) for a in args)}, got {_short(value)}",
             )
         )
     if origin is typing.Literal:
         allowed = get_args(tp)
         if value not in allowed:
             raise SettingsError(
-                path, f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+                path, f"must be one of {', '.join(map(repr, allowed))}, got {_short(value)}"
             )
         return value
     if origin in (list, tuple):
@@ -142,19 +156,25 @@ def _decode(tp: Any, value: Any, path: str, env: Mapping[str, str] | None) -> An
         return decode(tp, value, path, env)
     if tp is bool:
         if not isinstance(value, bool):
-            raise SettingsError(path, f"expected true or false, got {value!r}")
+            raise SettingsError(path, f"expected true or false, got {_short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SettingsError(path, f"expected an integer, got {value!r}")
+            raise SettingsError(path, f"expected an integer, got {_short(value)}")
+        if not -INT_LIMIT < value < INT_LIMIT:
+            raise SettingsError(path, f"out of range (a 64-bit integer), got {_short(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SettingsError(path, f"expected a number, got {value!r}")
+            raise SettingsError(path, f"expected a number, got {_short(value)}")
+        if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
+            raise SettingsError(path, f"out of range, got {_short(value)}")
+        if not math.isfinite(value):  # .inf, .nan: no setting or scenario figure means them
+            raise SettingsError(path, f"must be a finite number, got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise SettingsError(path, f"expected a string, got {value!r}")
+            raise SettingsError(path, f"expected a string, got {_short(value)}")
         return resolve_env(value, env, path)
     raise SettingsError(path, f"unsupported settings type {_type_name(tp)}")  # pragma: no cover
 
@@ -172,7 +192,10 @@ def decode(cls: type[T], data: Any, path: str = "", env: Mapping[str, str] | Non
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
         known = ", ".join(sorted(fields))
-        raise SettingsError(_join(path, unknown[0]), f"unknown key (known keys: {known})")
+        key = (
+            unknown[0] if unknown[0].isprintable() and len(unknown[0]) <= 80 else _short(unknown[0])
+        )
+        raise SettingsError(_join(path, key), f"unknown key (known keys: {known})")
     kwargs: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
