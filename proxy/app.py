@@ -30,9 +30,11 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.boundary import ProxyRunner, error_middleware
 from proxy.metrics import AccessLoggingMetrics, ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Replica, Router
+from proxy.routes import Routes
 from proxy.upstream import UpstreamClient, tls_context
 from shared.settings import Settings
 
@@ -40,6 +42,7 @@ log = logging.getLogger("scepsy.proxy")
 
 SETTINGS = web.AppKey("settings", Settings)
 ROUTER = web.AppKey("router", Router)
+ROUTES = web.AppKey("routes", Routes)  # the allow-list of engine routes
 RECORDER = web.AppKey("recorder", Recorder)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)  # health probes and /v1/models
@@ -206,13 +209,16 @@ def _named_workflows(settings: Settings) -> set[str]:
 
 
 def make_app(settings: Settings) -> web.Application:
-    """The proxy application for ``settings``; serve it with ``handler_cancellation=True`` so a
-    client that hangs up cancels its upstream call (``proxy.cli`` does)."""
+    """The proxy application for ``settings``; serve it with :func:`make_runner` (a client
+    that hangs up cancels its upstream call; aiohttp's own refusals are OpenAI-shaped)."""
     from proxy import admin, forward  # the handlers need the keys defined above
 
-    app = web.Application(client_max_size=settings.proxy.max_body_bytes)
+    app = web.Application(
+        client_max_size=settings.proxy.max_body_bytes, middlewares=[error_middleware]
+    )
     proxy_id = settings.proxy.resolved_proxy_id
     app[SETTINGS] = settings
+    app[ROUTES] = Routes(settings.proxy.extra_routes)
     app[PROXY_ID] = proxy_id
     recorder = Recorder(settings.store, proxy_id)
     app[RECORDER] = recorder
@@ -240,8 +246,29 @@ def make_app(settings: Settings) -> web.Application:
     app.router.add_get("/w/{workflow}/r/{rid}/v1/models", list_models)
     admin.add_routes(app)
     # The engine routes by name resolve with one dict lookup; everything else (workflow paths,
-    # unknown routes naming a known model) falls through to the catch-all.
-    for path in sorted(forward.ENGINE_ROUTES):
+    # unknown paths) falls through to the catch-all, where the allow-list (proxy.routes)
+    # answers 404 for what is not an engine route.
+    for path in sorted(app[ROUTES].allowed):
         app.router.add_post(path, forward.handle)
     app.router.add_post("/{tail:.*}", forward.handle)
     return app
+
+
+def make_runner(app: web.Application, shutdown_timeout: float | None = None) -> web.AppRunner:
+    """The runner to serve a :func:`make_app` app with: handler cancellation on client
+    hang-up, aiohttp's refusals in OpenAI shape (``proxy.boundary``), and
+    ``proxy.client_header_timeout_s`` as the connections' keep-alive timeout, which in aiohttp
+    also closes a connection that sends nothing or only part of a request head, and
+    ``proxy.client_body_timeout_s`` (10 s at most) as the time an unread body is drained.
+    ``shutdown_timeout`` overrides ``proxy.shutdown_grace_s`` (tests)."""
+    s = app[SETTINGS].proxy
+    return ProxyRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=s.shutdown_grace_s if shutdown_timeout is None else shutdown_timeout,
+        access_log=None,
+        keepalive_timeout=s.client_header_timeout_s,
+        # What is left of a body the proxy did not read (after a 404, 408, 413, ...) is
+        # drained for at most this long before the connection is closed.
+        lingering_time=min(10.0, s.client_body_timeout_s),
+    )

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from proxy.app import make_app
+from proxy.app import make_app, make_runner
 from shared import logs
 from shared.settings import (
     Settings,
@@ -105,9 +105,7 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     app = make_app(settings)
     s = settings.proxy
     host, port = parse_host_port(s.listen, "proxy.listen")
-    runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=s.shutdown_grace_s, access_log=None
-    )
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
     await site.start()

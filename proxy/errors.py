@@ -17,6 +17,7 @@ class ProxyError(Exception):
     status = 500
     type = "internal_error"
     code = "internal_error"
+    close = False  # close the connection after answering (a request left half-read)
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -36,7 +37,10 @@ class ProxyError(Exception):
         )
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body(), content_type="application/json")
+        resp = web.Response(status=self.status, body=self.body(), content_type="application/json")
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 class BadRequest(ProxyError):
@@ -45,6 +49,13 @@ class BadRequest(ProxyError):
 
 class BodyTooLarge(ProxyError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class ClientTimeout(ProxyError):
+    """The client did not send its request body in time (``proxy.client_body_timeout_s``)."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+    close = True
 
 
 class Unauthorized(ProxyError):

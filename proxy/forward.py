@@ -15,10 +15,17 @@ Invariants:
   stream is never buffered to its end;
 - every upstream failure (connect, TLS, protocol, timeout) logs one warning naming the replica
   and the model, and reaches the client as an OpenAI-style error, never a traceback;
-- header-borne strings stored or counted (workflow, request id, call id) are valid UTF-8:
-  undecodable header bytes (lone surrogates once aiohttp decoded them) become U+FFFD there,
-  while the headers themselves go upstream byte for byte;
-- credentials never reach the store, and ``X-Scepsy-*`` headers never reach an upstream.
+- header-borne strings stored or counted (workflow, request id, call id) are normalised once
+  (:func:`proxy.identity.normalise`: valid UTF-8, bounded), while the headers themselves go
+  upstream byte for byte;
+- only an allow-listed route reaches an engine (:mod:`proxy.routes`), at the allow-list's own
+  path; any other path is a 404;
+- a client's mistake (a body field of the wrong type, a body nested past
+  ``shared.records.MAX_BODY_DEPTH``, a body not sent within ``proxy.client_body_timeout_s``)
+  is an OpenAI-shaped 4xx; an upstream failure is a 502/503/504, and the recorded ``status``
+  is the status the client got;
+- credentials never reach the store (bodies are scrubbed, error text redacted), and
+  ``X-Scepsy-*`` headers never reach an upstream.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, SETTINGS, UPSTREAM
+from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SETTINGS, UPSTREAM
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
+    ClientTimeout,
     ModelNotFound,
     NoReplica,
     ProxyError,
@@ -43,31 +51,29 @@ from proxy.errors import (
     UpstreamFailed,
     UpstreamTimeout,
 )
-from proxy.identity import identify, is_private_header
+from proxy.identity import identify, is_private_header, normalise
 from proxy.relay import relay_body, relay_stream
 from proxy.router import Replica
+from proxy.routes import ENGINE_ROUTES, PathRefused
 from proxy.upstream import (
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamRequestError,
     UpstreamTLSError,
 )
-from shared.records import CallRecord, new_call_id, now_us, scrub_body
-
-ENGINE_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/rerank",
-        "/rerank",
-        "/v2/rerank",
-        "/v1/score",
-        "/score",
-        "/pooling",
-        "/classify",
-    }
+from shared.records import (
+    MAX_BODY_DEPTH,
+    BodyTooDeep,
+    CallRecord,
+    check_depth,
+    new_call_id,
+    now_us,
+    redact_text,
+    scrub_body,
 )
+from shared.settings import ProxySettings
+
+__all__ = ["ENGINE_ROUTES", "handle"]
 log = logging.getLogger(__name__)
 # Routes whose `stream: true` asks for an event stream (recorded as a streamed call). Any
 # route is relayed as a stream when its upstream answers text/event-stream, whatever it asked.
@@ -92,7 +98,6 @@ _DROP_UPSTREAM = frozenset(
         "x-api-key",
     }
 )
-# Connection failures that prove the engine never started on the call: safe to retry.
 
 
 @dataclass(slots=True)
@@ -129,18 +134,6 @@ def _prompt_text(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _storable(value: str | None) -> str | None:
-    """A header- or path-borne string as the store and /metrics can hold it: aiohttp keeps
-    undecodable header bytes as lone surrogates, which UTF-8 (Parquet, Prometheus text)
-    cannot carry; each becomes U+FFFD. ASCII (nearly every value) passes untouched."""
-    if value is None or value.isascii():
-        return value
-    try:
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    except UnicodeEncodeError:  # a surrogate aiohttp never makes (from a percent-escape)
-        return value.encode("utf-8", "replace").decode("utf-8")
-
-
 def _check_client(request: web.Request) -> str | None:
     """The client's Authorization to pass on, or None; 401 when the proxy's own keys are set
     and the client sent none of them (then the client's key is the proxy's, never forwarded)."""
@@ -154,14 +147,24 @@ def _check_client(request: web.Request) -> str | None:
     return None
 
 
-async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    limit = request.app[SETTINGS].proxy.max_body_bytes
+async def _read_body(request: web.Request, settings: ProxySettings) -> tuple[bytes, dict[str, Any]]:
+    limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"Request body of {request.content_length} bytes exceeds {limit}.")
     try:
-        raw = await request.read()
+        if request.content.is_eof():  # the usual small body: it came with the head
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.client_body_timeout_s):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"Request body exceeds {limit} bytes.") from exc
+    except TimeoutError as exc:
+        raise ClientTimeout(
+            f"The request body did not arrive within {settings.client_body_timeout_s:g} s."
+        ) from exc
+    except web.RequestPayloadError as exc:  # bad chunked framing, a cut or bad compression
+        raise BadRequest(f"The request body is malformed: {exc}.") from exc
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -180,6 +183,8 @@ def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
+    """The engine routes' handler; errors are answered here (the common ones, cheaply) or by
+    ``proxy.boundary.error_middleware`` (anything else)."""
     try:
         call, rec = await _prepare(request)
     except ProxyError as exc:
@@ -196,46 +201,71 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
     app = request.app
     settings = app[SETTINGS].proxy
     client_auth = _check_client(request)
-    raw, body = await _read_body(request)
-    ident = identify(request.path, request.headers, body, settings.default_workflow)
+    try:
+        routed = app[ROUTES].resolve(request.raw_path)
+    except PathRefused as exc:
+        raise RouteNotFound(str(exc)) from None
+    raw, body = await _read_body(request, settings)
+    ident = identify(
+        routed, request.headers, body, settings.default_workflow, settings.identity_max_chars
+    )
     path = ident.upstream_path
     model = body.get("model")
-    if path not in ENGINE_ROUTES and not (isinstance(model, str) and app[ROUTER].knows(model)):
-        raise RouteNotFound(f"Unknown route POST {path}.")
     if not isinstance(model, str) or not model:
-        raise BadRequest("Missing required field `model`.", param="model")
+        raise BadRequest("Missing required field `model` (a string).", param="model")
     if not app[ROUTER].knows(model):
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        raise ModelNotFound(f"The model `{model[:200]}` does not exist.", param="model")
+    asked_stream = body.get("stream")
+    if asked_stream is not None and not isinstance(asked_stream, bool):
+        raise BadRequest("`stream` must be a boolean.", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object.", param="stream_options")
 
-    stream = bool(body.get("stream")) and path in _STREAMING_ROUTES
+    stream = bool(asked_stream) and path in _STREAMING_ROUTES
     strip_usage = False
     payload = raw
     if stream and path in _USAGE_OPTION_ROUTES:
-        options = body.get("stream_options")
-        if not isinstance(options, dict) or (options and not options.get("include_usage")):
+        if not options or not options.get("include_usage"):
             # Ask for usage on the client's behalf; the extra event is removed on the way back.
             # A shallow copy: the stored body stays the client's own.
             asked = {**(options or {}), "include_usage": True}
-            payload = orjson.dumps({**body, "stream_options": asked})
+            try:
+                payload = orjson.dumps({**body, "stream_options": asked})
+            except orjson.JSONEncodeError as exc:  # nested past what orjson writes
+                raise _too_deep() from exc
             strip_usage = True
+    try:
+        if settings.record_bodies:
+            stored: str | None = scrub_body(raw, body)
+        else:
+            stored = None
+            check_depth(body)
+    except BodyTooDeep as exc:
+        raise _too_deep() from exc
+    limit = settings.identity_max_chars
     rec = CallRecord(
-        call_id=_storable(request.headers.get("Idempotency-Key")) or new_call_id(),
+        call_id=normalise(request.headers.get("Idempotency-Key"), limit) or new_call_id(),
         proxy_id=app[PROXY_ID],
-        workflow=_storable(ident.workflow),
-        request_id=_storable(ident.request_id),
+        workflow=ident.workflow,
+        request_id=ident.request_id,
         model=model,
         endpoint=path,
         stream=stream,
         t_start=now_us(),
         request_bytes=len(raw),
         attempt=_client_retries(request),
-        body=scrub_body(raw, body) if settings.record_bodies else None,
+        body=stored,
     )
     prompt = _prompt_text(body) if settings.routing.policy == "prefix_affinity" else None
     call = Call(
         path, model, payload, stream, strip_usage, prompt, _upstream_headers(request), client_auth
     )
     return call, rec
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest(f"Request body is nested deeper than {MAX_BODY_DEPTH} levels.")
 
 
 def _client_retries(request: web.Request) -> int:
@@ -288,7 +318,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             # Nothing was sent: a header of the call has no bytes to send (aiohttp never
             # decodes one so; said as a 400 rather than a traceback all the same).
             rec.error = f"request: {exc}"
-            status = BadRequest.status
+            status = rec.status = BadRequest.status
             raise BadRequest(f"The call cannot be sent upstream: {exc}.") from exc
         except UpstreamConnectError as exc:
             # The connection was never made, so the engine never saw the call: safe to retry.
@@ -301,18 +331,20 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
                 if isinstance(exc, UpstreamTLSError):
                     # A certificate the proxy does not trust: a setup problem of this replica,
                     # said as such rather than as "no replica".
-                    status = UpstreamFailed.status
+                    status = rec.status = UpstreamFailed.status
                     raise UpstreamFailed(
                         "The TLS handshake with the upstream engine failed (see the proxy's log)."
                     ) from exc
-                status = NoReplica.status
+                status = rec.status = NoReplica.status
                 raise NoReplica(f"No replica of `{call.model}` could be reached.") from exc
             metrics.retries.labels(call.model).inc()
         except TimeoutError as exc:
             metrics.upstream_error(call.model, rep.url, "timeout")
             rec.error = "upstream timed out"
             log.warning("upstream %s of model %s timed out: %s", rep.url, call.model, exc)
-            status = UpstreamTimeout.status
+            # Only a plain body's read gets here (a stream ends itself with an error event):
+            # the client gets the 504, and the record says so, whatever the head said.
+            status = rec.status = UpstreamTimeout.status
             raise UpstreamTimeout("The upstream engine did not answer in time.") from exc
         except UpstreamProtocolError as exc:
             # The call may have reached the engine: never replayed (it may not be idempotent
@@ -322,21 +354,35 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
             metrics.upstream_error(call.model, rep.url, "disconnect")
             rec.error = f"upstream: {exc}"
             log.warning("upstream %s of model %s broke the exchange: %s", rep.url, call.model, exc)
-            status = UpstreamFailed.status
+            status = rec.status = UpstreamFailed.status
             raise UpstreamFailed("The upstream engine broke the exchange.") from exc
         except (asyncio.CancelledError, ConnectionResetError):
             rec.error = rec.error or "client disconnected"
             status = 499  # nginx's "client closed request", for metrics only
             raise
+        except Exception as exc:  # a bug of the proxy's: the boundary answers 500
+            rec.error = f"proxy error: {exc.__class__.__name__}: {exc}"
+            status = rec.status = 500
+            raise
         finally:
             router.release(rep)
             rec.t_end = now_us()
+            if rec.error is not None:  # an upstream may echo the call's key back
+                rec.error = redact_text(rec.error, _secrets(request, rep))
             recorder.submit(rec)
             if not retry:
                 metrics.observe(rec, status or 500)
         # Retry: the failed attempt is recorded above; the next attempt is a new row of the
         # same logical call.
         rec = _next_attempt(rec)
+
+
+def _secrets(request: web.Request, rep: Replica) -> tuple[str | None, ...]:
+    """The keys this call carried (the client's and the replica's), to keep out of ``error``."""
+    headers = request.headers
+    auth = headers.get("Authorization")
+    token = auth[7:].strip() if auth and auth[:7].lower() == "bearer " else auth
+    return (token, headers.get("api-key"), headers.get("x-api-key"), rep.api_key)
 
 
 def _next_attempt(rec: CallRecord) -> CallRecord:

@@ -1,10 +1,13 @@
 """Workflow identity (DESIGN §3.1): which workflow and which workflow request a call belongs to.
 
-Role: pure functions from a call's path, headers and parsed body to ``(workflow, request_id)``
-and the upstream path. Sources are tried in the order DESIGN §3.1 gives; the first present wins.
+Role: pure functions from a call's routed path (:mod:`proxy.routes`), headers and parsed body
+to ``(workflow, request_id)``. Sources are tried in the order DESIGN §3.1 gives; the first
+present wins.
 
 Invariants:
-- the ``/w/<workflow>[/r/<id>]`` path prefix is removed before the call goes upstream;
+- identity values are normalised here, once, before anything stores, counts or routes on them:
+  valid UTF-8 (aiohttp keeps undecodable header bytes as lone surrogates; each becomes U+FFFD)
+  and at most ``max_chars`` characters (``proxy.identity_max_chars``); see :func:`normalise`;
 - ``X-Scepsy-*`` headers never go upstream (see :func:`is_private_header`); ``traceparent`` does;
 - a request id is ``None`` when no source names one (such calls are excluded from per-request
   statistics, and counted).
@@ -16,6 +19,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from proxy.routes import RoutedPath
+from shared.records import valid_text
 
 WORKFLOW_HEADER = "X-Scepsy-Workflow"
 REQUEST_ID_HEADER = "X-Scepsy-Request-Id"
@@ -39,9 +45,11 @@ SESSION_BODY_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
 # Inside a structured agentic_context, the keys that name the root of the agent run.
 _ROOT_KEYS = ("root_id", "root_request_id", "session_id", "id")
 
-_PREFIX = re.compile(r"^/w/(?P<workflow>[^/]+)(?:/r/(?P<rid>[^/]+))?(?P<rest>/.*)$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-(?P<trace>[0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 _ZERO_TRACE = "0" * 32
+
+
+DEFAULT_MAX_CHARS = 256  # proxy.identity_max_chars
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +60,15 @@ class Identity:
     source: str  # which source gave the request id ("header", "path", a session header, ...)
 
 
-def split_path(path: str) -> tuple[str | None, str | None, str]:
-    """``/w/<wf>/r/<id>/v1/x`` → (wf, id, ``/v1/x``); other paths pass through unchanged."""
-    m = _PREFIX.match(path)
-    if m is None:
-        return None, None, path
-    return m["workflow"], m["rid"], m["rest"]
+def normalise(value: str | None, max_chars: int = DEFAULT_MAX_CHARS) -> str | None:
+    """A client-given identity string as the store, ``/metrics`` and routing can take it:
+    valid UTF-8 (U+FFFD for what was not), at most ``max_chars`` characters; an empty value
+    is no value. ASCII within the bound (nearly every value) passes untouched."""
+    if not value:
+        return None
+    if value.isascii() and len(value) <= max_chars:
+        return value
+    return valid_text(value, max_chars)
 
 
 def _dig(body: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
@@ -91,27 +102,34 @@ def trace_id(traceparent: str | None) -> str | None:
 
 
 def identify(
-    path: str, headers: Mapping[str, str], body: Mapping[str, Any], default_workflow: str | None
+    path: RoutedPath,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    default_workflow: str | None,
+    max_chars: int = DEFAULT_MAX_CHARS,
 ) -> Identity:
-    """Workflow and request id of one call, from the first source present (DESIGN §3.1)."""
-    path_wf, path_rid, upstream_path = split_path(path)
-    workflow = headers.get(WORKFLOW_HEADER) or path_wf or default_workflow
+    """Workflow and request id of one call, from the first source present (DESIGN §3.1),
+    each normalised (:func:`normalise`)."""
+    workflow = normalise(
+        headers.get(WORKFLOW_HEADER) or path.workflow or default_workflow, max_chars
+    )
+    route = path.route
     rid = headers.get(REQUEST_ID_HEADER)
     if rid:
-        return Identity(workflow, rid, upstream_path, "header")
-    if path_rid:
-        return Identity(workflow, path_rid, upstream_path, "path")
+        return Identity(workflow, normalise(rid, max_chars), route, "header")
+    if path.request_id:
+        return Identity(workflow, normalise(path.request_id, max_chars), route, "path")
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value:
-            return Identity(workflow, value, upstream_path, name.lower())
+            return Identity(workflow, normalise(value, max_chars), route, name.lower())
     value, what = _body_session(body)
     if value:
-        return Identity(workflow, value, upstream_path, what)
+        return Identity(workflow, normalise(value, max_chars), route, what)
     tid = trace_id(headers.get("traceparent"))
     if tid:
-        return Identity(workflow, tid, upstream_path, "traceparent")
-    return Identity(workflow, None, upstream_path, "none")
+        return Identity(workflow, tid, route, "traceparent")
+    return Identity(workflow, None, route, "none")
 
 
 def is_private_header(name: str) -> bool:

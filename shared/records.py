@@ -245,6 +245,17 @@ def _has_secret(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def check_depth(value: Any, depth: int = 0) -> None:
+    """Raise :class:`BodyTooDeep` when ``value`` nests past :data:`MAX_BODY_DEPTH` (what
+    :func:`scrub_body` checks on its way; for bodies that are not stored)."""
+    if depth > MAX_BODY_DEPTH:
+        raise BodyTooDeep(f"the body is nested deeper than {MAX_BODY_DEPTH} levels")
+    items = value.values() if isinstance(value, dict) else value
+    for item in items:
+        if isinstance(item, (dict, list)):
+            check_depth(item, depth + 1)
+
+
 def _scrub(value: Any) -> tuple[Any, bool]:
     if isinstance(value, dict):
         changed = False

@@ -34,6 +34,7 @@ __all__ = [
     "describe",
     "load_settings",
     "parse_host_port",
+    "route_problem",
     "split_upstream_url",
 ]
 
@@ -192,6 +193,21 @@ class UpstreamTlsSettings:
                 raise SettingsError("ca_file", f"cannot load {self.ca_file!r}: {why}") from None
 
 
+def route_problem(route: str) -> str | None:
+    """Why ``route`` cannot be an engine route the proxy forwards, or None: a plain absolute
+    path (no query, escapes, empty, ``.`` or ``..`` segments) outside the proxy's own paths."""
+    if not route.startswith("/") or len(route) > 256:
+        return f"{route[:80]!r} must start with / (at most 256 characters)"
+    if not route.isascii() or any(c in route for c in "?#%\\ ") or not route.isprintable():
+        return f"{route!r} must be a plain path (no query, %-escapes, blanks or controls)"
+    segments = route[1:].split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        return f"{route!r} has an empty, . or .. segment"
+    if segments[0] in ("w", "r", "admin", "health", "metrics"):
+        return f"{route!r} is the proxy's own path (/w, /r, /admin, /health, /metrics)"
+    return None
+
+
 @dataclass(frozen=True)
 class ProxySettings:
     """The sidecar proxy (data plane)."""
@@ -237,6 +253,24 @@ class ProxySettings:
         doc="log one line per proxied call (method, path, status, model, workflow, upstream, "
         "duration_ms) on the scepsy.proxy.access logger; off costs nothing per call",
     )
+    extra_routes: tuple[str, ...] = setting(
+        factory=tuple,
+        doc="POST routes engines serve beyond the OpenAI-compatible ones the proxy forwards "
+        "(e.g. /tokenize, /detokenize, /v1/load_lora_adapter); any other path is a 404",
+    )
+    client_header_timeout_s: float = setting(
+        60.0,
+        doc="longest a client connection may take to send a request head, or stay idle "
+        "between requests, before the proxy closes it",
+    )
+    client_body_timeout_s: float = setting(
+        60.0, doc="longest a client may take to send a request body (408 past it)"
+    )
+    identity_max_chars: int = setting(
+        256,
+        doc="workflow names, request ids and call ids from a client are cut to this many "
+        "characters before they are stored, counted or routed on",
+    )
     metrics_max_workflows: int = setting(
         50,
         doc="distinct workflow label values in /metrics: the first this many seen (plus "
@@ -255,6 +289,15 @@ class ProxySettings:
             raise SettingsError("shutdown_grace_s", "must not be negative")
         if self.metrics_max_workflows < 0:
             raise SettingsError("metrics_max_workflows", "must not be negative")
+        for key in ("client_header_timeout_s", "client_body_timeout_s"):
+            if not 0 < getattr(self, key) < 86400:
+                raise SettingsError(key, "must be positive and under a day")
+        if self.identity_max_chars < 16:
+            raise SettingsError("identity_max_chars", "must be at least 16")
+        for i, route in enumerate(self.extra_routes):
+            why = route_problem(route)
+            if why:
+                raise SettingsError(f"extra_routes[{i}]", why)
         seen: set[tuple[str, str]] = set()
         for i, up in enumerate(self.upstreams):
             if (up.model, up.url) in seen:

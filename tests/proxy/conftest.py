@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.app import RECORDER, ROUTER, make_app
+from proxy.app import RECORDER, ROUTER, make_app, make_runner
 from proxy.router import Router
 from shared.settings import Settings, settings_from_mapping
 from shared.store import StoreReader
@@ -52,7 +52,7 @@ class ProxyHandle:
 
 async def start_proxy(settings: Settings) -> ProxyHandle:
     app = make_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+    runner = make_runner(app, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -125,6 +125,19 @@ class FakeEngine:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             return await self._answer(request)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            # A field of the wrong type: vLLM's request validation answers 400 (so does this).
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"invalid request: {exc}",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": "400",
+                    }
+                },
+                status=400,
+            )
         finally:
             self.in_flight -= 1
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from proxy.identity import SESSION_HEADERS, identify, split_path, trace_id
+from proxy.identity import SESSION_HEADERS, identify, normalise, trace_id
+from proxy.routes import RoutedPath, Routes
 from tests.proxy.conftest import ProxyHandle
 from tests.proxy.fake_engine import FakeEngine
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-CHAT = "/v1/chat/completions"
+CHAT = RoutedPath("/v1/chat/completions", None, None)
+ROUTES = Routes()
 
 
 def test_headers_win_over_everything() -> None:
     ident = identify(
-        "/w/pathwf/r/pathid/v1/chat/completions",
+        ROUTES.resolve("/w/pathwf/r/pathid/v1/chat/completions"),
         {
             "X-Scepsy-Workflow": "hw",
             "X-Scepsy-Request-Id": "hid",
@@ -26,14 +28,26 @@ def test_headers_win_over_everything() -> None:
         "default",
     )
     assert (ident.workflow, ident.request_id, ident.source) == ("hw", "hid", "header")
-    assert ident.upstream_path == CHAT
+    assert ident.upstream_path == CHAT.route
 
 
 def test_path_prefix() -> None:
-    ident = identify("/w/beam/r/42/v1/chat/completions", {}, {}, "default")
+    ident = identify(ROUTES.resolve("/w/beam/r/42/v1/chat/completions"), {}, {}, "default")
     assert (ident.workflow, ident.request_id, ident.source) == ("beam", "42", "path")
-    assert split_path("/w/rag/v1/embeddings") == ("rag", None, "/v1/embeddings")
-    assert split_path("/v1/embeddings") == (None, None, "/v1/embeddings")
+    assert ROUTES.resolve("/w/rag/v1/embeddings") == RoutedPath("/v1/embeddings", "rag", None)
+    assert ROUTES.resolve("/v1/embeddings") == RoutedPath("/v1/embeddings", None, None)
+
+
+def test_identity_values_are_valid_utf8_and_bounded() -> None:
+    ident = identify(
+        CHAT, {"X-Scepsy-Workflow": "w\udcff" + "x" * 999, "x-session-id": "é" * 300}, {}, None
+    )
+    assert ident.workflow == "w\ufffd" + "x" * 254
+    assert ident.request_id == "é" * 256
+    assert identify(CHAT, {"X-Scepsy-Request-Id": "a" * 40}, {}, None, max_chars=16).request_id == (
+        "a" * 16
+    )
+    assert normalise("") is None and normalise("plain") == "plain"
 
 
 def test_default_workflow_and_no_request_id() -> None:
@@ -83,7 +97,7 @@ async def test_identity_reaches_the_store_and_private_headers_stay_home(
         ]:
             async with s.post(proxy.url + path, json=body, headers=headers) as r:
                 assert r.status == 200, await r.text()
-    assert [c.path for c in engine.calls] == [CHAT] * 4
+    assert [c.path for c in engine.calls] == [CHAT.route] * 4
     assert engine.calls[2].headers["traceparent"] == TP
     assert all("X-Scepsy-Workflow" not in c.headers for c in engine.calls)
     recs = await proxy.records()

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 from openai.types.responses import ResponseCompletedEvent, ResponseStreamEvent
 
-from tests.proxy.conftest import ProxyHandle
+from tests.proxy.conftest import ProxyFactory, ProxyHandle
 from tests.proxy.fake_engine import FakeEngine
 
 HEADERS = {"X-Scepsy-Workflow": "agent", "X-Scepsy-Request-Id": "run-1"}
@@ -120,10 +120,11 @@ async def test_responses_stream_cut_ends_with_an_error_event(proxy: ProxyHandle)
 
 
 async def test_any_route_answered_as_an_event_stream_is_streamed(
-    proxy: ProxyHandle, engine: FakeEngine
+    proxy_factory: ProxyFactory, engine: FakeEngine
 ) -> None:
-    """A route the proxy has no table entry for (a known model makes it pass): the engine's
-    event stream is relayed as it comes, not buffered."""
+    """A route the proxy has no table entry for (allowed by ``proxy.extra_routes``): the
+    engine's event stream is relayed as it comes, not buffered."""
+    proxy = await proxy_factory([("m", engine.url)], extra_routes=["/v1/brand/new"])
     body = {"model": "m", "prompt": "a b", "stream": True}
     async with (
         aiohttp.ClientSession() as session,

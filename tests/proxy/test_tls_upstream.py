@@ -112,7 +112,7 @@ async def test_untrusted_certificate_is_a_clean_502(
     [line] = [r.getMessage() for r in caplog.records if r.name == "proxy.forward"]
     assert tls_engine.url in line and "model m" in line and "certificate" in line
     [rec] = await proxy.records()
-    assert rec["status"] is None and rec["error"].startswith("connect: TLS handshake with")
+    assert rec["status"] == 502 and rec["error"].startswith("connect: TLS handshake with")
 
 
 async def test_untrusted_replica_is_retried_on_a_trusted_one(
