@@ -95,19 +95,26 @@ class BeamResult:
     latency_s: float
 
 
-async def _extend(client: AsyncOpenAI, cfg: BeamConfig, problem: str, beam: Beam, last: bool,
-                  seed: int) -> Beam:
+async def _extend(
+    client: AsyncOpenAI, cfg: BeamConfig, problem: str, beam: Beam, last: bool, seed: int
+) -> Beam:
     """One generator call: the beam's next step (or, in the last iteration, its end)."""
-    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT},
-                                      {"role": "user", "content": problem}]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": problem},
+    ]
     extra: dict[str, object] = {}
     if beam.text:  # continue the assistant's partial solution rather than start a new turn
         messages.append({"role": "assistant", "content": beam.text})
         extra = {"continue_final_message": True, "add_generation_prompt": False}
     resp = await client.chat.completions.create(
-        model=cfg.generator, messages=messages,  # type: ignore[arg-type]
-        temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=seed,
-        stop=None if last else [STEP_END], extra_body=extra or None,
+        model=cfg.generator,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+        seed=seed,
+        stop=None if last else [STEP_END],
+        extra_body=extra or None,
     )
     choice = resp.choices[0]
     step = choice.message.content or ""
@@ -125,7 +132,11 @@ def _stop_reason(choice: object) -> object:
 async def _score(client: AsyncOpenAI, cfg: BeamConfig, problem: str, beam: Beam) -> float:
     """One verifier call: P("+") the PRM gives the beam's latest step."""
     resp = await client.chat.completions.create(
-        model=cfg.verifier, max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=5,
+        model=cfg.verifier,
+        max_tokens=1,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=5,
         messages=[{"role": "user", "content": f"{problem}\n\n{beam.text.rstrip()}"}],
     )
     content = resp.choices[0].logprobs.content if resp.choices[0].logprobs else None
@@ -134,8 +145,14 @@ async def _score(client: AsyncOpenAI, cfg: BeamConfig, problem: str, beam: Beam)
     return plus / (plus + minus) if plus + minus > 0 else 0.0
 
 
-async def solve(endpoints: Endpoints, problem: str, cfg: BeamConfig = BeamConfig(), *,
-                request_id: str | None = None, seed: int = 0) -> BeamResult:
+async def solve(
+    endpoints: Endpoints,
+    problem: str,
+    cfg: BeamConfig = BeamConfig(),
+    *,
+    request_id: str | None = None,
+    seed: int = 0,
+) -> BeamResult:
     """Run one beam-search workflow request; every call is tagged with its request id."""
     rid = request_id or new_request_id()
     gen = tagged(endpoints.client(cfg.generator), WORKFLOW, rid)
@@ -151,8 +168,9 @@ async def solve(endpoints: Endpoints, problem: str, cfg: BeamConfig = BeamConfig
         iterations += 1
         batch = [active[i % len(active)] for i in range(cfg.n)]  # copied round-robin up to n
         last = it == cfg.iterations - 1
-        stepped = await asyncio.gather(*[
-            _extend(gen, cfg, problem, b, last, rng.randrange(2**31)) for b in batch])
+        stepped = await asyncio.gather(
+            *[_extend(gen, cfg, problem, b, last, rng.randrange(2**31)) for b in batch]
+        )
         scores = await asyncio.gather(*[_score(ver, cfg, problem, b) for b in stepped])
         gen_calls += len(batch)
         ver_calls += len(stepped)
@@ -164,8 +182,9 @@ async def solve(endpoints: Endpoints, problem: str, cfg: BeamConfig = BeamConfig
         beams = [b for b in survivors[: cfg.n // cfg.width] for _ in range(cfg.width)]
     pool = completed or beams
     best = max(pool, key=lambda b: b.score) if pool else Beam()
-    return BeamResult(rid, best.text, best.score, iterations, gen_calls, ver_calls,
-                      time.monotonic() - started)
+    return BeamResult(
+        rid, best.text, best.score, iterations, gen_calls, ver_calls, time.monotonic() - started
+    )
 
 
 def add_beam_args(p: argparse.ArgumentParser) -> None:
@@ -178,15 +197,24 @@ def add_beam_args(p: argparse.ArgumentParser) -> None:
 
 
 def beam_config_from(args: argparse.Namespace) -> BeamConfig:
-    return BeamConfig(n=args.n, width=args.width, iterations=args.iterations,
-                      generator=args.generator, verifier=args.verifier)
+    return BeamConfig(
+        n=args.n,
+        width=args.width,
+        iterations=args.iterations,
+        generator=args.generator,
+        verifier=args.verifier,
+    )
 
 
 async def _main(args: argparse.Namespace) -> None:
     endpoints = endpoints_from(args)
     try:
-        result = await solve(endpoints, args.problem or random.choice(PROBLEMS),
-                             beam_config_from(args), seed=args.seed)
+        result = await solve(
+            endpoints,
+            args.problem or random.choice(PROBLEMS),
+            beam_config_from(args),
+            seed=args.seed,
+        )
     finally:
         await endpoints.close()
     print(json.dumps(result.__dict__, indent=2))

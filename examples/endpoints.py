@@ -33,8 +33,12 @@ class Endpoints:
     def client(self, model: str) -> AsyncOpenAI:
         url = self.model_urls.get(model, self.base_url)
         if url not in self._clients:
-            self._clients[url] = AsyncOpenAI(base_url=url, api_key=self.api_key,
-                                             timeout=self.timeout_s, max_retries=self.max_retries)
+            self._clients[url] = AsyncOpenAI(
+                base_url=url,
+                api_key=self.api_key,
+                timeout=self.timeout_s,
+                max_retries=self.max_retries,
+            )
         return self._clients[url]
 
     async def close(self) -> None:
@@ -50,14 +54,23 @@ def new_request_id() -> str:
 def tagged(client: AsyncOpenAI, workflow: str, request_id: str) -> AsyncOpenAI:
     """A client whose every call says which workflow request it belongs to."""
     return client.with_options(
-        default_headers={WORKFLOW_HEADER: workflow, REQUEST_HEADER: request_id})
+        default_headers={WORKFLOW_HEADER: workflow, REQUEST_HEADER: request_id}
+    )
 
 
 def add_endpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8080/v1",
-                   help="OpenAI-compatible base URL for every model (the Scepsy proxy)")
-    p.add_argument("--model-url", action="append", default=[], metavar="MODEL=URL",
-                   help="a different base URL for one model (repeatable)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8080/v1",
+        help="OpenAI-compatible base URL for every model (the Scepsy proxy)",
+    )
+    p.add_argument(
+        "--model-url",
+        action="append",
+        default=[],
+        metavar="MODEL=URL",
+        help="a different base URL for one model (repeatable)",
+    )
     p.add_argument("--api-key", default="EMPTY", help="API key sent as a bearer token")
 
 

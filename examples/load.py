@@ -47,13 +47,23 @@ class Tally:
     def report(self, rate: float) -> dict[str, Any]:
         span = (self.last_end or 0.0) - (self.first_start or 0.0)
         lat = np.asarray(self.latencies)
-        pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 95, 99)}
-               | {"mean": float(lat.mean()), "max": float(lat.max())}) if lat.size else {}
-        return {"offered_rate_rps": rate, "started": self.started,
-                "completed": len(self.latencies), "failed": sum(self.failures.values()),
-                "failures": dict(self.failures),
-                "throughput_rps": len(self.latencies) / span if span > 0 else 0.0,
-                "latency_s": pct}
+        pct = (
+            (
+                {f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 95, 99)}
+                | {"mean": float(lat.mean()), "max": float(lat.max())}
+            )
+            if lat.size
+            else {}
+        )
+        return {
+            "offered_rate_rps": rate,
+            "started": self.started,
+            "completed": len(self.latencies),
+            "failed": sum(self.failures.values()),
+            "failures": dict(self.failures),
+            "throughput_rps": len(self.latencies) / span if span > 0 else 0.0,
+            "latency_s": pct,
+        }
 
 
 async def _timed(tally: Tally, make: Request, number: int) -> None:
@@ -70,8 +80,9 @@ async def _timed(tally: Tally, make: Request, number: int) -> None:
         tally.last_end = time.monotonic()
 
 
-async def poisson(make: Request, rate: float, duration_s: float, tally: Tally, *,
-                  seed: int = 0) -> None:
+async def poisson(
+    make: Request, rate: float, duration_s: float, tally: Tally, *, seed: int = 0
+) -> None:
     """Start ``make`` at Poisson arrivals for ``duration_s`` seconds, then await them all."""
     rng = random.Random(seed)
     tasks: list[asyncio.Task[None]] = []
@@ -92,8 +103,10 @@ async def workflow_requests(name: str, endpoints: Endpoints, args: argparse.Name
         beam_cfg: BeamConfig = beam_config_from(args)
 
         async def beam(number: int) -> object:
-            return await solve(endpoints, PROBLEMS[number % len(PROBLEMS)], beam_cfg,
-                               seed=args.seed + number)
+            return await solve(
+                endpoints, PROBLEMS[number % len(PROBLEMS)], beam_cfg, seed=args.seed + number
+            )
+
         return beam
     if name == "rag":
         rag_cfg: RagConfig = rag_config_from(args)
@@ -102,6 +115,7 @@ async def workflow_requests(name: str, endpoints: Endpoints, args: argparse.Name
 
         async def rag(number: int) -> object:
             return await answer(endpoints, index, asked[number % len(asked)].text, rag_cfg)
+
         return rag
     raise SystemExit(f"unknown workflow {name!r} (beam or rag)")
 
@@ -118,14 +132,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         makers = [await workflow_requests(n, endpoints, args) for n in names]
         tallies = [Tally() for _ in names]
         started = time.monotonic()
-        await asyncio.gather(*[
-            poisson(m, r, args.duration, t, seed=args.seed + i)
-            for i, (m, r, t) in enumerate(zip(makers, rates, tallies, strict=True))])
+        await asyncio.gather(
+            *[
+                poisson(m, r, args.duration, t, seed=args.seed + i)
+                for i, (m, r, t) in enumerate(zip(makers, rates, tallies, strict=True))
+            ]
+        )
         elapsed = time.monotonic() - started
     finally:
         await endpoints.close()
-    return {"duration_s": args.duration, "elapsed_s": elapsed,
-            "workflows": {n: t.report(r) for n, r, t in zip(names, rates, tallies, strict=True)}}
+    return {
+        "duration_s": args.duration,
+        "elapsed_s": elapsed,
+        "workflows": {n: t.report(r) for n, r, t in zip(names, rates, tallies, strict=True)},
+    }
 
 
 def parser() -> argparse.ArgumentParser:

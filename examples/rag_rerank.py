@@ -75,8 +75,9 @@ class PassageIndex:
         return [int(i) for i in top[np.argsort(-scores[top])]]
 
 
-async def build_index(endpoints: Endpoints, cfg: RagConfig, texts: list[str], *,
-                      batch: int = 256) -> PassageIndex:
+async def build_index(
+    endpoints: Endpoints, cfg: RagConfig, texts: list[str], *, batch: int = 256
+) -> PassageIndex:
     """Embed every passage (``"passage: "`` prefix, as e5 expects)."""
     client = tagged(endpoints.client(cfg.embedder), "rag-index", new_request_id())
     parts: list[list[float]] = []
@@ -87,26 +88,43 @@ async def build_index(endpoints: Endpoints, cfg: RagConfig, texts: list[str], *,
     return PassageIndex(texts, np.asarray(parts, dtype=np.float32))
 
 
-async def answer(endpoints: Endpoints, index: PassageIndex, question: str,
-                 cfg: RagConfig = RagConfig(), *, request_id: str | None = None) -> RagResult:
+async def answer(
+    endpoints: Endpoints,
+    index: PassageIndex,
+    question: str,
+    cfg: RagConfig = RagConfig(),
+    *,
+    request_id: str | None = None,
+) -> RagResult:
     """Run one RAG workflow request: embed, search, rerank, generate."""
     rid = request_id or new_request_id()
     started = time.monotonic()
     emb = await tagged(endpoints.client(cfg.embedder), WORKFLOW, rid).embeddings.create(
-        model=cfg.embedder, input=f"query: {question}")
+        model=cfg.embedder, input=f"query: {question}"
+    )
     hits = index.search(np.asarray(emb.data[0].embedding, dtype=np.float32), cfg.retrieve)
     ranked: Any = await tagged(endpoints.client(cfg.reranker), WORKFLOW, rid).post(
-        "/rerank", cast_to=object,
-        body={"model": cfg.reranker, "query": question,
-              "documents": [index.texts[i] for i in hits], "top_n": cfg.keep})
+        "/rerank",
+        cast_to=object,
+        body={
+            "model": cfg.reranker,
+            "query": question,
+            "documents": [index.texts[i] for i in hits],
+            "top_n": cfg.keep,
+        },
+    )
     chosen = [hits[r["index"]] for r in ranked["results"][: cfg.keep]]
     docs = "\n".join(f"Doc {k + 1}: {index.texts[i]}" for k, i in enumerate(chosen))
     chat = await tagged(endpoints.client(cfg.generator), WORKFLOW, rid).chat.completions.create(
-        model=cfg.generator, max_tokens=cfg.max_tokens, temperature=0.0,
-        messages=[{"role": "system", "content": SYSTEM_PROMPT + docs},
-                  {"role": "user", "content": f"Question: {question}"}])
-    return RagResult(rid, chat.choices[0].message.content or "", chosen,
-                     time.monotonic() - started)
+        model=cfg.generator,
+        max_tokens=cfg.max_tokens,
+        temperature=0.0,
+        messages=[
+            {"role": "system", "content": SYSTEM_PROMPT + docs},
+            {"role": "user", "content": f"Question: {question}"},
+        ],
+    )
+    return RagResult(rid, chat.choices[0].message.content or "", chosen, time.monotonic() - started)
 
 
 def add_rag_args(p: argparse.ArgumentParser) -> None:
@@ -118,8 +136,7 @@ def add_rag_args(p: argparse.ArgumentParser) -> None:
 
 
 def rag_config_from(args: argparse.Namespace) -> RagConfig:
-    return RagConfig(embedder=args.embedder, reranker=args.reranker,
-                     generator=args.rag_generator)
+    return RagConfig(embedder=args.embedder, reranker=args.reranker, generator=args.rag_generator)
 
 
 async def _main(args: argparse.Namespace) -> None:

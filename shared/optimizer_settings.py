@@ -117,8 +117,14 @@ class OptimizerSettings:
         for key in ("interval_s", "window_s", "horizon_s"):
             if getattr(self, key) <= 0:
                 raise SettingsError(key, "must be positive")
-        for key in ("settle_s", "cooldown_s", "cold_start_s", "reprofile_min_interval_s",
-                    "headroom", "min_gain"):
+        for key in (
+            "settle_s",
+            "cooldown_s",
+            "cold_start_s",
+            "reprofile_min_interval_s",
+            "headroom",
+            "min_gain",
+        ):
             if getattr(self, key) < 0:
                 raise SettingsError(key, "must not be negative")
         for key in ("rate_change_threshold", "token_drift_threshold", "latency_drift_threshold"):
@@ -127,8 +133,9 @@ class OptimizerSettings:
         if self.settle_s >= self.window_s:
             raise SettingsError("settle_s", "must be shorter than window_s")
         if self.granularity > MAX_GRANULARITY:
-            raise SettingsError("granularity", f"must be at most {MAX_GRANULARITY}, got "
-                                f"{self.granularity}")
+            raise SettingsError(
+                "granularity", f"must be at most {MAX_GRANULARITY}, got {self.granularity}"
+            )
         if self.reserve_gpus < 0:
             raise SettingsError("reserve_gpus", "must not be negative")
         for key in ("windows_to_confirm", "granularity", "min_requests", "health_failed_passes"):

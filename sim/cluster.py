@@ -40,8 +40,15 @@ from sim.engine import EngineCore
 from sim.perf import PerfModel, perf_model
 from sim.workflows import Prompt
 
-__all__ = ["Allocation", "PrefixTable", "Replica", "ReplicaSpec", "Router", "RoutingPolicy",
-           "build_replicas"]
+__all__ = [
+    "Allocation",
+    "PrefixTable",
+    "Replica",
+    "ReplicaSpec",
+    "Router",
+    "RoutingPolicy",
+    "build_replicas",
+]
 
 RoutingPolicy = Literal["p2c", "least", "affinity", "prefix_affinity"]
 _EPS = 1e-9
@@ -105,8 +112,13 @@ def place(allocation: Allocation) -> list[tuple[ReplicaSpec, tuple[int, ...]]]:
 class Replica:
     """One engine replica on the virtual clock. ``outstanding``: calls routed, not finished."""
 
-    def __init__(self, name: str, spec: ReplicaSpec, gpus: tuple[int, ...], engine: EngineCore,
-                 ) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: ReplicaSpec,
+        gpus: tuple[int, ...],
+        engine: EngineCore,
+    ) -> None:
         self.name = name
         self.spec = spec
         self.gpus = gpus
@@ -135,18 +147,24 @@ class Replica:
         self.engine.perf = perf
 
 
-def build_replicas(allocation: Allocation, *, max_num_batched_tokens: int = 8192,
-                   max_num_seqs: int = 256, enable_prefix_caching: bool = True
-                   ) -> list[Replica]:
+def build_replicas(
+    allocation: Allocation,
+    *,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    enable_prefix_caching: bool = True,
+) -> list[Replica]:
     replicas: list[Replica] = []
     counters: dict[str, int] = {}
     for spec, gpus in place(allocation):
         n = counters.get(spec.model, 0)
         counters[spec.model] = n + 1
-        engine = EngineCore(perf_model(spec.model, spec.gpu, spec.tp, spec.share),
-                            max_num_batched_tokens=max_num_batched_tokens,
-                            max_num_seqs=max_num_seqs,
-                            enable_prefix_caching=enable_prefix_caching)
+        engine = EngineCore(
+            perf_model(spec.model, spec.gpu, spec.tp, spec.share),
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         replicas.append(Replica(f"{spec.model}/{n}", spec, gpus, engine))
     for r in replicas:
         r.peers = [o for o in replicas if o is not r and set(o.gpus) & set(r.gpus)]
@@ -164,8 +182,11 @@ class PrefixTable:
 
     @classmethod
     def from_settings(cls, s: RoutingSettings) -> PrefixTable:
-        return cls(max(1, s.prefix_block_chars // CHARS_PER_TOKEN),
-                   max(1, s.max_prefix_chars // CHARS_PER_TOKEN), s.affinity_entries)
+        return cls(
+            max(1, s.prefix_block_chars // CHARS_PER_TOKEN),
+            max(1, s.max_prefix_chars // CHARS_PER_TOKEN),
+            s.affinity_entries,
+        )
 
     def keys(self, prompt: Prompt) -> list[int]:
         limit = min(prompt.total, self.limit)
@@ -212,9 +233,14 @@ class PrefixTable:
 class Router:
     """Picks a replica of a model for each call."""
 
-    def __init__(self, replicas: Sequence[Replica], policy: RoutingPolicy,
-                 rng: random.Random, affinity_slack: int = 8,
-                 settings: RoutingSettings | None = None) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        policy: RoutingPolicy,
+        rng: random.Random,
+        affinity_slack: int = 8,
+        settings: RoutingSettings | None = None,
+    ) -> None:
         self.policy = policy
         self.rng = rng
         self.affinity_slack = affinity_slack

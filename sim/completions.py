@@ -70,15 +70,19 @@ class Call:
 def _prompts(body: Mapping[str, Any], chat: bool) -> list[str]:
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, Mapping) for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, Mapping) for m in messages)
         ):
             raise ApiError("messages must be a non-empty list of objects", param="messages")
         cont = bool(body.get("continue_final_message", False))
         add = bool(body.get("add_generation_prompt", True))  # vLLM's default
         if cont and add:
-            raise ApiError("Cannot set both `continue_final_message` and "
-                           "`add_generation_prompt` to True.", param="continue_final_message")
+            raise ApiError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
         return [render_chat(messages, add_generation_prompt=add, continue_final_message=cont)]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -117,7 +121,10 @@ def parse_call(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> C
         max_tokens = asked if asked is not None else max(1, engine.spec.max_context - count)
         engine.check_context(count, max_tokens)
         req = GenerationRequest(
-            prompt=text, max_tokens=max_tokens, stop=stops, sampling_key=key,
+            prompt=text,
+            max_tokens=max_tokens,
+            stop=stops,
+            sampling_key=key,
             ignore_eos=bool(body.get("ignore_eos", False)),
             min_tokens=get_int(body, "min_tokens", 0) or 0,
             include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
@@ -126,12 +133,20 @@ def parse_call(engine: EmulatedEngine, body: Mapping[str, Any], chat: bool) -> C
             if k is not None and max_tokens == 1:
                 choices.append(_verdict(engine, text))
             else:
-                choices.append(plan_generation(req, i, seed=engine.config.seed,
-                                               lengths=engine.config.lengths))
+                choices.append(
+                    plan_generation(req, i, seed=engine.config.seed, lengths=engine.config.lengths)
+                )
     options = body.get("stream_options")
     include_usage = isinstance(options, Mapping) and options.get("include_usage", True) is not False
-    return Call(chat, new_id("chatcmpl" if chat else "cmpl"), prompts, choices, k,
-                bool(body.get("stream", False)), include_usage)
+    return Call(
+        chat,
+        new_id("chatcmpl" if chat else "cmpl"),
+        prompts,
+        choices,
+        k,
+        bool(body.get("stream", False)),
+        include_usage,
+    )
 
 
 def _verdict(engine: EmulatedEngine, prompt: str) -> Generation:
@@ -153,36 +168,58 @@ def _logprobs(call: Call, gen: Generation, lo: int, hi: int) -> Any:
     if call.top_logprobs is None:
         return None
     if call.chat:
-        return {"content": [
-            {"token": gen.tokens[p], "logprob": gen.logprobs[p],
-             "bytes": list(gen.tokens[p].encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                              for t, lp in _top(call, gen, p)]}
-            for p in range(lo, hi)]}
+        return {
+            "content": [
+                {
+                    "token": gen.tokens[p],
+                    "logprob": gen.logprobs[p],
+                    "bytes": list(gen.tokens[p].encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                        for t, lp in _top(call, gen, p)
+                    ],
+                }
+                for p in range(lo, hi)
+            ]
+        }
     offset = sum(len(t) for t in gen.tokens[:lo])
     offsets = []
     for p in range(lo, hi):
         offsets.append(offset)
         offset += len(gen.tokens[p])
-    return {"tokens": list(gen.tokens[lo:hi]), "token_logprobs": list(gen.logprobs[lo:hi]),
-            "top_logprobs": [dict(_top(call, gen, p)) for p in range(lo, hi)],
-            "text_offset": offsets}
+    return {
+        "tokens": list(gen.tokens[lo:hi]),
+        "token_logprobs": list(gen.logprobs[lo:hi]),
+        "top_logprobs": [dict(_top(call, gen, p)) for p in range(lo, hi)],
+        "text_offset": offsets,
+    }
 
 
 def _usage(call: Call, cached: int) -> dict[str, Any]:
     # Every choice prefills its prompt in the core, but vLLM reports the prompt once per prompt.
     prompt = sum(len(p) for p in call.prompts)
     completion = sum(len(g.tokens) for g in call.choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _envelope(call: Call, engine: EmulatedEngine, chunk: bool) -> dict[str, Any]:
-    obj = "text_completion" if not call.chat else (
-        "chat.completion.chunk" if chunk else "chat.completion")
-    return {"id": call.rid, "object": obj, "created": created(), "model": engine.name,
-            "system_fingerprint": FINGERPRINT}
+    obj = (
+        "text_completion"
+        if not call.chat
+        else ("chat.completion.chunk" if chunk else "chat.completion")
+    )
+    return {
+        "id": call.rid,
+        "object": obj,
+        "created": created(),
+        "model": engine.name,
+        "system_fingerprint": FINGERPRINT,
+    }
 
 
 class _Run:
@@ -200,8 +237,13 @@ class _Run:
         per_prompt = len(self.call.choices) // len(self.call.prompts)
         for i, gen in enumerate(self.call.choices):
             ticket = self.engine.submit(
-                self.rids[i], self.call.prompts[i // per_prompt], len(gen.tokens), self.sink, i,
-                every_token=self.call.stream)
+                self.rids[i],
+                self.call.prompts[i // per_prompt],
+                len(gen.tokens),
+                self.sink,
+                i,
+                every_token=self.call.stream,
+            )
             ticket.on_cached = self._add_cached
 
     def _add_cached(self, tokens: int) -> None:
@@ -222,8 +264,12 @@ class _Run:
 
 
 def _choice_json(call: Call, gen: Generation, index: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": index, "logprobs": _logprobs(call, gen, 0, len(gen.tokens)),
-                           "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason}
+    out: dict[str, Any] = {
+        "index": index,
+        "logprobs": _logprobs(call, gen, 0, len(gen.tokens)),
+        "finish_reason": gen.finish_reason,
+        "stop_reason": gen.stop_reason,
+    }
     if call.chat:
         out["message"] = {"role": "assistant", "content": gen.text, "tool_calls": []}
     else:
@@ -249,12 +295,16 @@ def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def _delta_chunk(call: Call, engine: EmulatedEngine, index: int, lo: int, hi: int,
-                 last: bool) -> dict[str, Any]:
+def _delta_chunk(
+    call: Call, engine: EmulatedEngine, index: int, lo: int, hi: int, last: bool
+) -> dict[str, Any]:
     gen = call.choices[index]
     text = "".join(gen.deltas[lo:hi])
-    choice: dict[str, Any] = {"index": index, "logprobs": _logprobs(call, gen, lo, hi),
-                              "finish_reason": gen.finish_reason if last else None}
+    choice: dict[str, Any] = {
+        "index": index,
+        "logprobs": _logprobs(call, gen, lo, hi),
+        "finish_reason": gen.finish_reason if last else None,
+    }
     if last:
         choice["stop_reason"] = gen.stop_reason
     if call.chat:
@@ -267,8 +317,9 @@ def _delta_chunk(call: Call, engine: EmulatedEngine, index: int, lo: int, hi: in
 
 
 async def _stream(request: web.Request, engine: EmulatedEngine, call: Call) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     run = _Run(engine, call)
     sent = [0] * len(call.choices)
     try:
@@ -277,8 +328,14 @@ async def _stream(request: web.Request, engine: EmulatedEngine, call: Call) -> w
         if call.chat:  # vLLM opens every choice with the assistant role before any token
             for i in range(len(call.choices)):
                 chunk = _envelope(call, engine, chunk=True)
-                chunk["choices"] = [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]
+                chunk["choices"] = [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
                 await resp.write(_sse(chunk))
         while run.pending:
             update = await run.next()
@@ -298,8 +355,13 @@ async def _stream(request: web.Request, engine: EmulatedEngine, call: Call) -> w
     except (ConnectionResetError, asyncio.CancelledError, ApiError):
         raise
     except Exception as exc:  # after the headers went out, errors travel in the stream
-        await resp.write(_sse(ApiError(f"emulated engine error: {exc}", status=500,
-                                       type_="InternalServerError").body()))
+        await resp.write(
+            _sse(
+                ApiError(
+                    f"emulated engine error: {exc}", status=500, type_="InternalServerError"
+                ).body()
+            )
+        )
     finally:
         run.stop()
     await resp.write(b"data: [DONE]\n\n")

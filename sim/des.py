@@ -47,12 +47,25 @@ from sim.workflows import (
     start_workflow,
 )
 
-__all__ = ["LatencyStats", "ReplicaResult", "RequestSpan", "SimCall", "SimResult", "Simulation",
-           "WorkflowResult", "WorkloadSpec", "simulate", "simulate_requests"]
+__all__ = [
+    "LatencyStats",
+    "ReplicaResult",
+    "RequestSpan",
+    "SimCall",
+    "SimResult",
+    "Simulation",
+    "WorkflowResult",
+    "WorkloadSpec",
+    "simulate",
+    "simulate_requests",
+]
 
 LABEL = "simulated"
-_DEFAULTS: dict[str, WorkflowParams] = {"beam": BeamParams(), "rag": RagParams(),
-                                        "fanout": FanoutParams()}
+_DEFAULTS: dict[str, WorkflowParams] = {
+    "beam": BeamParams(),
+    "rag": RagParams(),
+    "fanout": FanoutParams(),
+}
 
 
 @dataclass(frozen=True)
@@ -107,9 +120,16 @@ class Simulation:
     """The event loop (``simulate`` runs one to the end; see the module docstring for changes
     at run time). ``engine_kw``: ``sim.cluster.build_replicas``' engine settings."""
 
-    def __init__(self, allocation: Allocation, workloads: Sequence[WorkloadSpec], seed: int = 0,
-                 routing: RoutingPolicy = "prefix_affinity", record_calls: bool = False,
-                 fast_forward: bool = True, engine_kw: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        allocation: Allocation,
+        workloads: Sequence[WorkloadSpec],
+        seed: int = 0,
+        routing: RoutingPolicy = "prefix_affinity",
+        record_calls: bool = False,
+        fast_forward: bool = True,
+        engine_kw: dict[str, Any] | None = None,
+    ) -> None:
         self.fast_forward = fast_forward
         self.replicas = build_replicas(allocation, **(engine_kw or {}))
         self.router = Router(self.replicas, routing, random.Random(seed))
@@ -173,8 +193,13 @@ class Simulation:
     # --- workflow requests --------------------------------------------------------------
     def start_run(self, w: int, index: int) -> None:
         rng = np.random.default_rng([self.seed, w, index])
-        run = _Run(w, f"{self.workloads[w].label}-{index}", int(rng.integers(1 << 62)),
-                   start_workflow(self.params[w], rng), self.now)
+        run = _Run(
+            w,
+            f"{self.workloads[w].label}-{index}",
+            int(rng.integers(1 << 62)),
+            start_workflow(self.params[w], rng),
+            self.now,
+        )
         self.runs.append(run)
         self.advance(run)
 
@@ -197,8 +222,7 @@ class Simulation:
         # the proxy routes a chat call by its prompt; embeddings and rerank bodies carry none
         chat = call.endpoint == "/v1/chat/completions" and len(call.inputs) == 1
         replica = self.router.pick(call.model, run.key, call.inputs[0] if chat else None)
-        state = _CallState(next(self.call_counter), run, call, replica, self.now,
-                           len(call.inputs))
+        state = _CallState(next(self.call_counter), run, call, replica, self.now, len(call.inputs))
         run.calls[call.model] = run.calls.get(call.model, 0) + 1
         engine = replica.engine
         rids = []
@@ -292,9 +316,19 @@ class Simulation:
         state.replica.outstanding -= 1
         run = state.run
         if self.record:
-            self.trace.append(SimCall(state.cid, self.workloads[run.workflow].label, run.rid,
-                                      state.call, state.replica.name, state.t_start,
-                                      state.t_first, self.now, state.cached))
+            self.trace.append(
+                SimCall(
+                    state.cid,
+                    self.workloads[run.workflow].label,
+                    run.rid,
+                    state.call,
+                    state.replica.name,
+                    state.t_start,
+                    state.t_first,
+                    self.now,
+                    state.cached,
+                )
+            )
         run.pending -= 1
         if run.pending == 0 and not run.failed:
             self.advance(run)
@@ -302,10 +336,23 @@ class Simulation:
     def open_calls(self) -> list[SimCall]:
         """The calls in flight now, each once, in start order; ``t_first`` and ``t_end`` are
         -1 (what the proxy would announce as open rows)."""
-        states = sorted({s.cid: s for s in self.inflight.values()}.values(),
-                        key=lambda s: (s.t_start, s.cid))
-        return [SimCall(s.cid, self.workloads[s.run.workflow].label, s.run.rid, s.call,
-                        s.replica.name, s.t_start, -1.0, -1.0, 0) for s in states]
+        states = sorted(
+            {s.cid: s for s in self.inflight.values()}.values(), key=lambda s: (s.t_start, s.cid)
+        )
+        return [
+            SimCall(
+                s.cid,
+                self.workloads[s.run.workflow].label,
+                s.run.rid,
+                s.call,
+                s.replica.name,
+                s.t_start,
+                -1.0,
+                -1.0,
+                0,
+            )
+            for s in states
+        ]
 
     # --- the loop -----------------------------------------------------------------------
     def run(self, horizon: float, n_requests: int | None, drain_s: float) -> float:
@@ -344,8 +391,9 @@ class Simulation:
                 self.start_run(w, arrivals[w])
                 arrivals[w] += 1
                 started += 1
-                self.push(t + float(arrival_rng.exponential(1.0 / self.workloads[w].rate)),
-                          _ARRIVAL, w)
+                self.push(
+                    t + float(arrival_rng.exponential(1.0 / self.workloads[w].rate)), _ARRIVAL, w
+                )
             else:
                 self.advance(payload)
         return window_end
@@ -362,12 +410,22 @@ class RequestSpan:
     failed: bool
 
 
-def simulate(allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
-             duration_s: float | None = None, n_requests: int | None = None, seed: int = 0,
-             warmup_s: float = 0.0, drain_s: float = 600.0,
-             routing: RoutingPolicy = "prefix_affinity", record_calls: bool = False,
-             max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-             enable_prefix_caching: bool = True, fast_forward: bool = True) -> SimResult:
+def simulate(
+    allocation: Allocation,
+    workloads: Sequence[WorkloadSpec],
+    *,
+    duration_s: float | None = None,
+    n_requests: int | None = None,
+    seed: int = 0,
+    warmup_s: float = 0.0,
+    drain_s: float = 600.0,
+    routing: RoutingPolicy = "prefix_affinity",
+    record_calls: bool = False,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    enable_prefix_caching: bool = True,
+    fast_forward: bool = True,
+) -> SimResult:
     """Simulate ``workloads`` on ``allocation`` for ``duration_s`` of arrivals or until
     ``n_requests`` requests have started (whichever comes first; at least one is needed).
     ``fast_forward``: run uneventful decode steps as one event (same results, much faster).
@@ -375,34 +433,63 @@ def simulate(allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
     ``throughput`` counts completions inside the measurement window ``[warmup_s, end of
     arrivals)``: give a warm-up of about a request's latency for steady-state figures."""
     return simulate_requests(
-        allocation, workloads, duration_s=duration_s, n_requests=n_requests, seed=seed,
-        warmup_s=warmup_s, drain_s=drain_s, routing=routing, record_calls=record_calls,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=enable_prefix_caching, fast_forward=fast_forward)[0]
+        allocation,
+        workloads,
+        duration_s=duration_s,
+        n_requests=n_requests,
+        seed=seed,
+        warmup_s=warmup_s,
+        drain_s=drain_s,
+        routing=routing,
+        record_calls=record_calls,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+        fast_forward=fast_forward,
+    )[0]
 
 
 def simulate_requests(
-    allocation: Allocation, workloads: Sequence[WorkloadSpec], *,
-    duration_s: float | None = None, n_requests: int | None = None, seed: int = 0,
-    warmup_s: float = 0.0, drain_s: float = 600.0, routing: RoutingPolicy = "prefix_affinity",
-    record_calls: bool = False, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-    enable_prefix_caching: bool = True, fast_forward: bool = True,
+    allocation: Allocation,
+    workloads: Sequence[WorkloadSpec],
+    *,
+    duration_s: float | None = None,
+    n_requests: int | None = None,
+    seed: int = 0,
+    warmup_s: float = 0.0,
+    drain_s: float = 600.0,
+    routing: RoutingPolicy = "prefix_affinity",
+    record_calls: bool = False,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+    enable_prefix_caching: bool = True,
+    fast_forward: bool = True,
 ) -> tuple[SimResult, tuple[RequestSpan, ...]]:
     """:func:`simulate`, plus every request's span in arrival order (for backlog trends and
     per-request statistics that the summary does not keep)."""
     if duration_s is None and n_requests is None:
         raise ValueError("give duration_s or n_requests")
     wall = time.perf_counter()
-    sim = Simulation(allocation, workloads, seed, routing, record_calls, fast_forward,
-                     {"max_num_batched_tokens": max_num_batched_tokens,
-                      "max_num_seqs": max_num_seqs,
-                      "enable_prefix_caching": enable_prefix_caching})
+    sim = Simulation(
+        allocation,
+        workloads,
+        seed,
+        routing,
+        record_calls,
+        fast_forward,
+        {
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs,
+            "enable_prefix_caching": enable_prefix_caching,
+        },
+    )
     horizon = duration_s if duration_s is not None else math.inf
     window_end = sim.run(horizon, n_requests, drain_s)
     if window_end == math.inf:  # the arrivals never stopped: n_requests not reached
         window_end = sim.now
-    spans = tuple(RequestSpan(sim.workloads[r.workflow].label, r.arrival, r.end, r.failed)
-                  for r in sim.runs)
+    spans = tuple(
+        RequestSpan(sim.workloads[r.workflow].label, r.arrival, r.end, r.failed) for r in sim.runs
+    )
     return _result(sim, warmup_s, window_end, time.perf_counter() - wall), spans
 
 
@@ -412,21 +499,47 @@ def _result(sim: Simulation, warmup_s: float, window_end: float, wall_s: float) 
     for w, spec in enumerate(sim.workloads):
         measured = [r for r in sim.runs if r.workflow == w and warmup_s <= r.arrival < window_end]
         done = [r for r in measured if r.end >= 0 and not r.failed]
-        in_window = sum(1 for r in sim.runs if r.workflow == w and r.end >= 0 and not r.failed
-                        and warmup_s <= r.end <= window_end)
+        in_window = sum(
+            1
+            for r in sim.runs
+            if r.workflow == w and r.end >= 0 and not r.failed and warmup_s <= r.end <= window_end
+        )
         calls: dict[str, float] = {}
         for r in done:
             for model, n in r.calls.items():
                 calls[model] = calls.get(model, 0.0) + n
         workflows[spec.label] = WorkflowResult(
-            spec.label, spec.rate, len(measured), len(done), len(measured) - len(done),
-            in_window / span, LatencyStats.of([r.end - r.arrival for r in done]),
-            {m: n / len(done) for m, n in sorted(calls.items())} if done else {})
+            spec.label,
+            spec.rate,
+            len(measured),
+            len(done),
+            len(measured) - len(done),
+            in_window / span,
+            LatencyStats.of([r.end - r.arrival for r in done]),
+            {m: n / len(done) for m, n in sorted(calls.items())} if done else {},
+        )
     end = max(sim.now, 1e-9)
     replicas = tuple(
-        ReplicaResult(r.name, r.spec.model, r.gpus, r.spec.share, r.busy_time / end, r.steps,
-                      r.engine.preemptions_total,
-                      r.engine.prefix_cache_hits / max(1, r.engine.prefix_cache_queries))
-        for r in sim.replicas)
-    return SimResult(LABEL, sim.seed, sim.now, wall_s, sim.events, (warmup_s, window_end),
-                     workflows, replicas, tuple(sim.trace))
+        ReplicaResult(
+            r.name,
+            r.spec.model,
+            r.gpus,
+            r.spec.share,
+            r.busy_time / end,
+            r.steps,
+            r.engine.preemptions_total,
+            r.engine.prefix_cache_hits / max(1, r.engine.prefix_cache_queries),
+        )
+        for r in sim.replicas
+    )
+    return SimResult(
+        LABEL,
+        sim.seed,
+        sim.now,
+        wall_s,
+        sim.events,
+        (warmup_s, window_end),
+        workflows,
+        replicas,
+        tuple(sim.trace),
+    )

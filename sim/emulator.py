@@ -46,8 +46,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_engine(config: EmulatorConfig) -> EmulatedEngine:
     """The engine state for config; ValueError on an unknown model or GPU."""
     perf = perf_model(config.model, config.gpu, config.tp, config.share)
-    core = EngineCore(perf, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_num_seqs=config.max_num_seqs)
+    core = EngineCore(
+        perf, max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs
+    )
     driver = EngineDriver(core, speedup=config.speedup)
     metrics = EngineMetrics(config.name, driver)
     driver.on_finished = metrics.observe
@@ -69,8 +70,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     except Exception as exc:
         log.exception("emulated engine failed on %s", request.path)
-        return ApiError(f"emulated engine error: {exc}", status=500,
-                        type_="InternalServerError").response()
+        return ApiError(
+            f"emulated engine error: {exc}", status=500, type_="InternalServerError"
+        ).response()
 
 
 @web.middleware
@@ -100,9 +102,16 @@ async def _run_driver(app: web.Application) -> AsyncIterator[None]:
 
 async def models(request: web.Request) -> web.Response:
     engine = engine_of(request)
-    card = {"id": engine.name, "object": "model", "created": created(),
-            "owned_by": FINGERPRINT, "root": engine.config.model, "parent": None,
-            "max_model_len": engine.spec.max_context, "permission": []}
+    card = {
+        "id": engine.name,
+        "object": "model",
+        "created": created(),
+        "owned_by": FINGERPRINT,
+        "root": engine.config.model,
+        "parent": None,
+        "max_model_len": engine.spec.max_context,
+        "permission": [],
+    }
     return json_response({"object": "list", "data": [card]})
 
 

@@ -45,8 +45,13 @@ Observer = Callable[[web.Request], None]
 
 
 @contextlib.asynccontextmanager
-async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1", port: int = 0,
-                  observe: Observer | None = None) -> AsyncIterator[RunningEmulator]:
+async def serving(
+    config: EmulatorConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    observe: Observer | None = None,
+) -> AsyncIterator[RunningEmulator]:
     """Serve one emulator; ``observe`` sees every request as its response starts."""
     app = make_app(config)
     if observe is not None:
@@ -54,6 +59,7 @@ async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1", port: int 
 
         async def seen(request: web.Request, response: web.StreamResponse) -> None:
             hook(request)
+
         app.on_response_prepare.append(seen)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -67,13 +73,17 @@ async def serving(config: EmulatorConfig, *, host: str = "127.0.0.1", port: int 
 
 
 @contextlib.asynccontextmanager
-async def serving_many(configs: Sequence[EmulatorConfig], *, host: str = "127.0.0.1",
-                       observe: Observer | None = None,
-                       ) -> AsyncIterator[dict[str, RunningEmulator]]:
+async def serving_many(
+    configs: Sequence[EmulatorConfig],
+    *,
+    host: str = "127.0.0.1",
+    observe: Observer | None = None,
+) -> AsyncIterator[dict[str, RunningEmulator]]:
     """One emulator per config, keyed by served model name."""
     async with contextlib.AsyncExitStack() as stack:
         out = {}
         for config in configs:
             out[config.name] = await stack.enter_async_context(
-                serving(config, host=host, observe=observe))
+                serving(config, host=host, observe=observe)
+            )
         yield out

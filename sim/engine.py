@@ -51,7 +51,7 @@ def chain_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     out: list[int] = []
     prev = 0
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = hash((prev, tuple(tokens[start:start + block_size])))
+        prev = hash((prev, tuple(tokens[start : start + block_size])))
         out.append(prev)
     return out
 
@@ -110,8 +110,9 @@ class _Seq:
         if self._hashes is None:
             prompt = self.req.prompt
             own = getattr(prompt, "block_hashes", None)  # HashedPrompt; isinstance() is slow
-            self._hashes = (own(block_size) if own is not None
-                            else chain_block_hashes(prompt, block_size))
+            self._hashes = (
+                own(block_size) if own is not None else chain_block_hashes(prompt, block_size)
+            )
         return self._hashes
 
 
@@ -146,15 +147,23 @@ class _BlockPool:
 class EngineCore:
     """Continuous batching over a modelled GPU. Not thread-safe: one driver owns it."""
 
-    def __init__(self, perf: PerfModel, *, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = 256, block_size: int = 16,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        perf: PerfModel,
+        *,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be >= 1")
         num_blocks = perf.kv_capacity_tokens() // block_size
         if num_blocks < 1:
-            raise ValueError(f"{perf.model.name} does not fit on {perf.tp} x {perf.gpu.name} "
-                             f"at share {perf.share}: no memory left for the KV cache")
+            raise ValueError(
+                f"{perf.model.name} does not fit on {perf.tp} x {perf.gpu.name} "
+                f"at share {perf.share}: no memory left for the KV cache"
+            )
         self.perf = perf
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -202,11 +211,15 @@ class EngineCore:
             raise ValueError("a request needs at least one prompt token and output_tokens >= 0")
         total = len(req.prompt) + req.output_tokens
         if total > self.perf.model.max_context:
-            raise ValueError(f"{total} tokens exceed the context of {self.perf.model.name} "
-                             f"({self.perf.model.max_context})")
+            raise ValueError(
+                f"{total} tokens exceed the context of {self.perf.model.name} "
+                f"({self.perf.model.max_context})"
+            )
         if -(-total // self.block_size) > self._pool.num_blocks:
-            raise ValueError(f"{total} tokens exceed the KV cache "
-                             f"({self._pool.num_blocks * self.block_size} tokens)")
+            raise ValueError(
+                f"{total} tokens exceed the KV cache "
+                f"({self._pool.num_blocks * self.block_size} tokens)"
+            )
         seq = _Seq(req, self.block_size)
         self._seqs[req.rid] = seq
         self._waiting.append(seq)
@@ -340,8 +353,7 @@ class EngineCore:
                 prefill += n
                 self._account(seq, n, out, done)
         waiting = self._waiting
-        while (waiting and budget > 0 and len(running) < self.max_num_seqs
-               and not out.preempted):
+        while waiting and budget > 0 and len(running) < self.max_num_seqs and not out.preempted:
             seq = waiting[0]
             hits, in_lru = self._match_prefix(seq)
             computed = hits * bs

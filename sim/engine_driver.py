@@ -134,8 +134,16 @@ class EngineDriver:
     ) -> Ticket:
         now = self.clock()
         req = EngineRequest(rid, prompt, output_tokens, arrival=self.model_now())
-        ticket = Ticket(rid, index, output_tokens, sink, now, prompt_tokens=len(prompt),
-                        request=req, every_token=every_token)
+        ticket = Ticket(
+            rid,
+            index,
+            output_tokens,
+            sink,
+            now,
+            prompt_tokens=len(prompt),
+            request=req,
+            every_token=every_token,
+        )
         self.core.submit(req)  # first: a refused request (ValueError) leaves no ticket behind
         self.tickets[rid] = ticket
         self._wake.set()
@@ -234,4 +242,3 @@ class EngineDriver:
                 ticket.sink.put_nowait(Update(ticket.index, ticket.emitted, is_first, done))
             if done and self.on_finished is not None:
                 self.on_finished(ticket)
-

@@ -22,10 +22,53 @@ from prometheus_client.registry import Collector
 from sim.engine_driver import EngineDriver, Ticket
 
 # vLLM V1's bucket boundaries (vllm/v1/metrics/loggers.py), so dashboards line up.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def _read(core: Any, name: str) -> float:
@@ -44,23 +87,34 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         core, labels = self._driver.core, [self._model]
         for name, doc, attr in (
-            ("vllm:num_requests_running", "Requests in the running batch (emulated).",
-             "num_running"),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled (emulated).",
-             "num_waiting"),
+            (
+                "vllm:num_requests_running",
+                "Requests in the running batch (emulated).",
+                "num_running",
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting to be scheduled (emulated).",
+                "num_waiting",
+            ),
             ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (emulated).", "kv_usage"),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, _read(core, attr))
             yield gauge
         for name, doc, attr in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             "prefix_cache_queries"),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             "prefix_cache_hits"),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                "prefix_cache_queries",
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                "prefix_cache_hits",
+            ),
             ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens_total"),
-            ("vllm:generation_tokens", "Generation tokens processed.",
-             "generation_tokens_total"),
+            ("vllm:generation_tokens", "Generation tokens processed.", "generation_tokens_total"),
             ("vllm:num_preemptions", "Cumulative preemptions.", "preemptions_total"),
         ):
             counter = CounterMetricFamily(name, doc + " (emulated)", labels=["model_name"])
@@ -70,18 +124,23 @@ class _EngineCollector(Collector):
         lag = GaugeMetricFamily(
             "scepsy_emulator_clock_lag_ratio",
             "Wall time the emulator lost against its model clock over recent wall time, idle "
-            "included (0 = exact, 0.05 = clock 5% behind).", labels=["model_name"])
+            "included (0 = exact, 0.05 = clock 5% behind).",
+            labels=["model_name"],
+        )
         lag.add_metric(labels, drv.lag_ratio)
         yield lag
         stretch = GaugeMetricFamily(
             "scepsy_emulator_step_stretch_ratio",
             "Recent busy steps' wall time over the wall time the model asked for, minus 1.",
-            labels=["model_name"])
+            labels=["model_name"],
+        )
         stretch.add_metric(labels, drv.step_stretch)
         yield stretch
         lost = CounterMetricFamily(
             "scepsy_emulator_lost_wall_seconds",
-            "Wall seconds steps took beyond what the model asked for.", labels=["model_name"])
+            "Wall seconds steps took beyond what the model asked for.",
+            labels=["model_name"],
+        )
         lost.add_metric(labels, drv.lost_wall_s)
         yield lost
         speed = GaugeMetricFamily(
@@ -90,7 +149,8 @@ class _EngineCollector(Collector):
         speed.add_metric(labels, drv.speedup)
         yield speed
         busy = CounterMetricFamily(
-            "scepsy_emulator_model_busy_seconds", "Model seconds of engine steps run.",
+            "scepsy_emulator_model_busy_seconds",
+            "Model seconds of engine steps run.",
             labels=["model_name"],
         )
         busy.add_metric(labels, drv.model_busy_s)
@@ -113,16 +173,22 @@ class EngineMetrics:
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in model seconds (emulated).",
-            ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry,
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency in model seconds (emulated).",
-            ["model_name"], buckets=E2E_BUCKETS, registry=self.registry,
+            ["model_name"],
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
         )
         self.success = Counter(
-            "vllm:request_success", "Finished requests by finish reason (emulated).",
-            ["model_name", "finished_reason"], registry=self.registry,
+            "vllm:request_success",
+            "Finished requests by finish reason (emulated).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
 
     def observe(self, ticket: Ticket) -> None:

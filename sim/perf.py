@@ -75,37 +75,47 @@ class GpuSpec:
 
 _KIB = 1024
 
-MODELS: Mapping[str, ModelSpec] = MappingProxyType({
-    # cal: Llama-3.2-1B ≈ 2.5 GB BF16, KV 32 KiB/token (16 layers x 8 KV heads x 64 x 2 x 2).
-    "llama-3.2-1b": ModelSpec("llama-3.2-1b", "generate", 1.24e9, 16, 2048, 32 * _KIB,
-                              int(2.5 * GB), 131072),
-    # cal: Llama-3-8B ≈ 16.1 GB BF16, KV 128 KiB/token (32 x 8 x 128 x 2 x 2); 8k context.
-    "llama-3-8b": ModelSpec("llama-3-8b", "generate", 8.03e9, 32, 4096, 128 * _KIB,
-                            int(16.1 * GB), 8192),
-    # The paper's verifier is a Llama-3.1-8B PRM: same shapes as Llama-3-8B, 128k context.
-    "llama-3.1-8b-prm": ModelSpec("llama-3.1-8b-prm", "generate", 8.03e9, 32, 4096, 128 * _KIB,
-                                  int(16.1 * GB), 131072),
-    # cal: e5-base-v2 ≈ 0.22 GB (110M). Activations per token: K+V of 12 layers x 768, BF16
-    # (# assumed: what one encoder forward pass holds per token).
-    "e5-base-v2": ModelSpec("e5-base-v2", "embed", 110e6, 12, 768, 12 * 768 * 2 * 2,
-                            int(0.22 * GB), 512),
-    # cal: bge-reranker-base ≈ 0.55 GB (278M; XLM-R base: 12 layers x 768).
-    "bge-reranker-base": ModelSpec("bge-reranker-base", "rerank", 278e6, 12, 768,
-                                   12 * 768 * 2 * 2, int(0.55 * GB), 512),
-})
+MODELS: Mapping[str, ModelSpec] = MappingProxyType(
+    {
+        # cal: Llama-3.2-1B ≈ 2.5 GB BF16, KV 32 KiB/token (16 layers x 8 KV heads x 64 x 2 x 2).
+        "llama-3.2-1b": ModelSpec(
+            "llama-3.2-1b", "generate", 1.24e9, 16, 2048, 32 * _KIB, int(2.5 * GB), 131072
+        ),
+        # cal: Llama-3-8B ≈ 16.1 GB BF16, KV 128 KiB/token (32 x 8 x 128 x 2 x 2); 8k context.
+        "llama-3-8b": ModelSpec(
+            "llama-3-8b", "generate", 8.03e9, 32, 4096, 128 * _KIB, int(16.1 * GB), 8192
+        ),
+        # The paper's verifier is a Llama-3.1-8B PRM: same shapes as Llama-3-8B, 128k context.
+        "llama-3.1-8b-prm": ModelSpec(
+            "llama-3.1-8b-prm", "generate", 8.03e9, 32, 4096, 128 * _KIB, int(16.1 * GB), 131072
+        ),
+        # cal: e5-base-v2 ≈ 0.22 GB (110M). Activations per token: K+V of 12 layers x 768, BF16
+        # (# assumed: what one encoder forward pass holds per token).
+        "e5-base-v2": ModelSpec(
+            "e5-base-v2", "embed", 110e6, 12, 768, 12 * 768 * 2 * 2, int(0.22 * GB), 512
+        ),
+        # cal: bge-reranker-base ≈ 0.55 GB (278M; XLM-R base: 12 layers x 768).
+        "bge-reranker-base": ModelSpec(
+            "bge-reranker-base", "rerank", 278e6, 12, 768, 12 * 768 * 2 * 2, int(0.55 * GB), 512
+        ),
+    }
+)
 
-GPUS: Mapping[str, GpuSpec] = MappingProxyType({
-    # cal: RTX A6000 768 GB/s, ~155 TFLOP/s dense BF16, 48 GB; NVLink in pairs.
-    # link: NVLink bridge 112.5 GB/s bidirectional, ~40 GB/s all-reduce bus bandwidth # assumed
-    "a6000": GpuSpec("a6000", 768 * GB, 155e12, int(48 * GB), link_bytes_per_s=40 * GB,
-                     nvlink_domain=2),
-    # cal: A100-80GB SXM 2039 GB/s, 312 TFLOP/s, 80 GB. link fitted to cal's prefill TP rows.
-    "a100": GpuSpec("a100", 2039 * GB, 312e12, int(80 * GB), link_bytes_per_s=100 * GB),
-    # cal: H100-80GB SXM 3350 GB/s, ~990 TFLOP/s, 80 GB. NVLink4 is 1.5x NVLink3 # assumed
-    "h100": GpuSpec("h100", 3350 * GB, 990e12, int(80 * GB), link_bytes_per_s=150 * GB),
-    # cal: H200 4800 GB/s, ~990 TFLOP/s, 141 GB.
-    "h200": GpuSpec("h200", 4800 * GB, 990e12, int(141 * GB), link_bytes_per_s=150 * GB),
-})
+GPUS: Mapping[str, GpuSpec] = MappingProxyType(
+    {
+        # cal: RTX A6000 768 GB/s, ~155 TFLOP/s dense BF16, 48 GB; NVLink in pairs.
+        # link: NVLink bridge 112.5 GB/s bidirectional, ~40 GB/s all-reduce bus bandwidth # assumed
+        "a6000": GpuSpec(
+            "a6000", 768 * GB, 155e12, int(48 * GB), link_bytes_per_s=40 * GB, nvlink_domain=2
+        ),
+        # cal: A100-80GB SXM 2039 GB/s, 312 TFLOP/s, 80 GB. link fitted to cal's prefill TP rows.
+        "a100": GpuSpec("a100", 2039 * GB, 312e12, int(80 * GB), link_bytes_per_s=100 * GB),
+        # cal: H100-80GB SXM 3350 GB/s, ~990 TFLOP/s, 80 GB. NVLink4 is 1.5x NVLink3 # assumed
+        "h100": GpuSpec("h100", 3350 * GB, 990e12, int(80 * GB), link_bytes_per_s=150 * GB),
+        # cal: H200 4800 GB/s, ~990 TFLOP/s, 141 GB.
+        "h200": GpuSpec("h200", 4800 * GB, 990e12, int(141 * GB), link_bytes_per_s=150 * GB),
+    }
+)
 
 # --- efficiencies and overheads -------------------------------------------------------------
 ETA_HBM = 0.75  # cal: "η ≈ 0.75 measured on A100" for weight streaming
@@ -121,8 +131,7 @@ ACTIVATION_BYTES = 2  # BF16 activations
 # Memory: vLLM's default --gpu-memory-utilization 0.9; per-GPU runtime reserve (CUDA context,
 # activations, graphs) # assumed.
 GPU_MEMORY_UTILIZATION = 0.9
-RUNTIME_RESERVE_BYTES = {"generate": int(1.0 * GB), "embed": int(0.3 * GB),
-                         "rerank": int(0.3 * GB)}
+RUNTIME_RESERVE_BYTES = {"generate": int(1.0 * GB), "embed": int(0.3 * GB), "rerank": int(0.3 * GB)}
 
 # cal: MPS table (7B on A100): time relative to 100% of SMs. Shares below 0.3 extrapolate.
 _SHARE_POINTS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -198,8 +207,9 @@ class PerfModel:
             return 0.0
         return float(self._time(prefill_tokens, decode_seqs, context_tokens))
 
-    def step_times(self, prefill_tokens: int, decode_seqs: int,
-                   context_tokens: NDArray[np.float64]) -> NDArray[np.float64]:
+    def step_times(
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
         """``step_time`` for many context sizes at once (the simulator's decode runs)."""
         if prefill_tokens + decode_seqs <= 0:
             return np.zeros_like(context_tokens)
@@ -210,8 +220,9 @@ class PerfModel:
         m, g, tp = self.model, self.gpu, self.tp
         tokens = prefill_tokens + decode_seqs
         flops = 2.0 * m.params * tokens
-        flops += 2.0 * m.layers * m.hidden * prefill_tokens * min(prefill_tokens,
-                                                                  ATTENTION_SPAN_CAP)
+        flops += (
+            2.0 * m.layers * m.hidden * prefill_tokens * min(prefill_tokens, ATTENTION_SPAN_CAP)
+        )
         flops = flops + 4.0 * m.layers * m.hidden * context_tokens
         compute = flops / tp / (ETA_COMPUTE * g.flops) * self._compute_factor
         weights = m.weight_bytes / tp / (ETA_HBM * g.hbm_bytes_per_s)

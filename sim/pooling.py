@@ -83,8 +83,16 @@ async def embeddings(request: web.Request) -> web.Response:
         if fmt == "base64":
             encoded = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
         data.append({"index": i, "object": "embedding", "embedding": encoded})
-    return json_response({"id": new_id("embd"), "object": "list", "created": created(),
-                          "model": engine.name, "data": data, "usage": _usage(tokens)})
+    return json_response(
+        {
+            "id": new_id("embd"),
+            "object": "list",
+            "created": created(),
+            "model": engine.name,
+            "data": data,
+            "usage": _usage(tokens),
+        }
+    )
 
 
 async def _prefill(engine: EmulatedEngine, texts: list[str]) -> int:
@@ -112,8 +120,10 @@ async def rerank(request: web.Request) -> web.Response:
     docs = get_texts(body.get("documents"), "documents")
     top_n = get_int(body, "top_n", 0, lo=0) or len(docs)
     tokens = await _prefill(engine, [f"{query}{_SEP}{d}" for d in docs])
-    scored = sorted(((_pair_score(engine, query, d), i) for i, d in enumerate(docs)),
-                    key=lambda si: (-si[0], si[1]))
+    scored = sorted(
+        ((_pair_score(engine, query, d), i) for i, d in enumerate(docs)),
+        key=lambda si: (-si[0], si[1]),
+    )
     with_docs = body.get("return_documents", True) is not False
     results = []
     for score, i in scored[:top_n]:
@@ -121,19 +131,25 @@ async def rerank(request: web.Request) -> web.Response:
         if with_docs:
             item["document"] = {"text": docs[i]}
         results.append(item)
-    return json_response({"id": new_id("rerank"), "model": engine.name,
-                          "usage": {"total_tokens": tokens}, "results": results})
+    return json_response(
+        {
+            "id": new_id("rerank"),
+            "model": engine.name,
+            "usage": {"total_tokens": tokens},
+            "results": results,
+        }
+    )
 
 
 def _pairs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
-    left, right = body.get("text_1", body.get("queries")), body.get("text_2",
-                                                                   body.get("documents"))
+    left, right = body.get("text_1", body.get("queries")), body.get("text_2", body.get("documents"))
     a, b = get_texts(left, "text_1"), get_texts(right, "text_2")
     if isinstance(left, str) or len(a) == 1:
         return [(a[0], d) for d in b]
     if len(a) != len(b):
-        raise ApiError("text_1 and text_2 must have the same length when both are lists",
-                       param="text_2")
+        raise ApiError(
+            "text_1 and text_2 must have the same length when both are lists", param="text_2"
+        )
     return list(zip(a, b, strict=True))
 
 
@@ -146,10 +162,20 @@ async def score(request: web.Request) -> web.Response:
         tokens = await _prefill(engine, [t for pair in pairs for t in pair])
     else:
         tokens = await _prefill(engine, [f"{a}{_SEP}{b}" for a, b in pairs])
-    data = [{"index": i, "object": "score", "score": _pair_score(engine, a, b)}
-            for i, (a, b) in enumerate(pairs)]
-    return json_response({"id": new_id("score"), "object": "list", "created": created(),
-                          "model": engine.name, "data": data, "usage": _usage(tokens)})
+    data = [
+        {"index": i, "object": "score", "score": _pair_score(engine, a, b)}
+        for i, (a, b) in enumerate(pairs)
+    ]
+    return json_response(
+        {
+            "id": new_id("score"),
+            "object": "list",
+            "created": created(),
+            "model": engine.name,
+            "data": data,
+            "usage": _usage(tokens),
+        }
+    )
 
 
 async def pooling(request: web.Request) -> web.Response:
@@ -170,5 +196,13 @@ async def pooling(request: web.Request) -> web.Response:
             p_plus = prm_probability(text, seed=seed)
             out = [1.0 - p_plus, p_plus]
         data.append({"index": i, "object": "pooling", "data": out})
-    return json_response({"id": new_id("pool"), "object": "list", "created": created(),
-                          "model": engine.name, "data": data, "usage": _usage(tokens)})
+    return json_response(
+        {
+            "id": new_id("pool"),
+            "object": "list",
+            "created": created(),
+            "model": engine.name,
+            "data": data,
+            "usage": _usage(tokens),
+        }
+    )

@@ -56,15 +56,25 @@ class ApiError(Exception):
     """A client-visible error, rendered as ``{"error": {message, type, param, code}}``."""
 
     def __init__(
-        self, message: str, *, status: int = 400, type_: str = "BadRequestError",
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type_: str = "BadRequestError",
         param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
     def response(self) -> web.Response:
         return json_response(self.body(), status=self.status)
@@ -84,8 +94,9 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def get_int(body: Mapping[str, Any], key: str, default: int | None, *, lo: int = 0,
-            hi: int | None = None) -> int | None:
+def get_int(
+    body: Mapping[str, Any], key: str, default: int | None, *, lo: int = 0, hi: int | None = None
+) -> int | None:
     value = body.get(key)
     if value is None:
         return default
@@ -151,8 +162,12 @@ class EmulatedEngine:
     def check_model(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
         if model is not None and model != self.name:
-            raise ApiError(f"The model `{model}` does not exist.", status=404,
-                           type_="NotFoundError", param="model")
+            raise ApiError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                type_="NotFoundError",
+                param="model",
+            )
 
     def check_kind(self, *kinds: str, route: str) -> None:
         if self.spec.kind not in kinds:
@@ -164,7 +179,9 @@ class EmulatedEngine:
             raise ApiError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                f"messages, {max_tokens} in the completion).", param="max_tokens")
+                f"messages, {max_tokens} in the completion).",
+                param="max_tokens",
+            )
 
     def sampling_key(self, body: Mapping[str, Any], temperature: float) -> int:
         """The request's seed; greedy decoding needs none; otherwise a fresh draw."""
@@ -173,12 +190,21 @@ class EmulatedEngine:
             return seed
         return 0 if temperature == 0 else -1 - next(self.draws)
 
-    def submit(self, rid: str, prompt: Sequence[int], output_tokens: int,
-               sink: asyncio.Queue[Update], index: int, *, every_token: bool = False) -> Ticket:
+    def submit(
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        output_tokens: int,
+        sink: asyncio.Queue[Update],
+        index: int,
+        *,
+        every_token: bool = False,
+    ) -> Ticket:
         """Hand one request to the driver; the core's refusal becomes a 400."""
         try:
-            return self.driver.submit(rid, prompt, output_tokens, sink, index,
-                                      every_token=every_token)
+            return self.driver.submit(
+                rid, prompt, output_tokens, sink, index, every_token=every_token
+            )
         except ValueError as exc:
             raise ApiError(str(exc)) from exc
 

@@ -82,9 +82,7 @@ def content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(part.get("text", "")) for part in content if isinstance(part, Mapping)
-        )
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
     return str(content)
 
 

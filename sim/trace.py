@@ -30,11 +30,13 @@ from sim.workflows import Prompt
 __all__ = ["call_rows", "open_rows", "prompt_text", "write_trace"]
 
 DEFAULT_T0_US = 1_767_225_600_000_000  # 2026-01-01T00:00:00Z
-_WORDS = np.array("""the a of to and is we that this so then for with by as it be are from on
+_WORDS = np.array(
+    """the a of to and is we that this so then for with by as it be are from on
     let each value sum term solve find step since thus given both side add root total answer
     first next which gives hence note case check now can must all two three four five ten half
     less more than where when rule area ratio angle point line count ways order prime even odd
-    digit there their what how why who into over under about after before while until""".split())
+    digit there their what how why who into over under about after before while until""".split()
+)
 
 
 class _Texts:
@@ -69,8 +71,11 @@ def _body(c: SimCall, texts: _Texts) -> dict[str, Any]:
         query = call.inputs[0].segments()[0]
         docs = [" ".join(texts.segment(k, n) for k, n in p.segments()[1:]) for p in call.inputs]
         return {"model": call.model, "query": texts.segment(*query), "documents": docs}
-    return {"model": call.model, "max_tokens": call.output_tokens,
-            "messages": [{"role": "user", "content": texts.prompt(call.inputs[0])}]}
+    return {
+        "model": call.model,
+        "max_tokens": call.output_tokens,
+        "messages": [{"role": "user", "content": texts.prompt(call.inputs[0])}],
+    }
 
 
 def _call_id(seed: int, c: SimCall) -> str:
@@ -78,8 +83,13 @@ def _call_id(seed: int, c: SimCall) -> str:
     return f"sim-{seed}-{c.call_id}"
 
 
-def call_rows(result: SimResult, *, t0_us: int = DEFAULT_T0_US, proxy_id: str = "simulated",
-              bodies: bool = True) -> list[tuple[Any, ...]]:
+def call_rows(
+    result: SimResult,
+    *,
+    t0_us: int = DEFAULT_T0_US,
+    proxy_id: str = "simulated",
+    bodies: bool = True,
+) -> list[tuple[Any, ...]]:
     """One row per simulated call, in ``shared.records.COLUMN_NAMES`` order."""
     texts = _Texts()
     rows: list[tuple[Any, ...]] = []
@@ -113,19 +123,36 @@ def call_rows(result: SimResult, *, t0_us: int = DEFAULT_T0_US, proxy_id: str = 
     return rows
 
 
-def open_rows(calls: Sequence[SimCall], *, seed: int, t0_us: int = DEFAULT_T0_US,
-              proxy_id: str = "simulated") -> list[tuple[Any, ...]]:
+def open_rows(
+    calls: Sequence[SimCall], *, seed: int, t0_us: int = DEFAULT_T0_US, proxy_id: str = "simulated"
+) -> list[tuple[Any, ...]]:
     """Open rows (``shared.records``) for calls still in flight, e.g.
     ``Simulation.open_calls()``: what the proxy announces for calls it has not finished. The
     call ids match the finished rows ``call_rows`` writes for the same run (``seed``)."""
-    return [CallRecord(_call_id(seed, c), proxy_id, c.workflow, c.request_id,
-                       c.call.model, c.call.endpoint, upstream=c.replica,
-                       t_start=t0_us + round(c.t_start * 1e6)).opened() for c in calls]
+    return [
+        CallRecord(
+            _call_id(seed, c),
+            proxy_id,
+            c.workflow,
+            c.request_id,
+            c.call.model,
+            c.call.endpoint,
+            upstream=c.replica,
+            t_start=t0_us + round(c.t_start * 1e6),
+        ).opened()
+        for c in calls
+    ]
 
 
-def write_trace(result: SimResult, store: str | Path, *, proxy_id: str = "simulated",
-                t0_us: int = DEFAULT_T0_US, bodies: bool = True,
-                segment_rows: int = 50_000) -> list[Path]:
+def write_trace(
+    result: SimResult,
+    store: str | Path,
+    *,
+    proxy_id: str = "simulated",
+    t0_us: int = DEFAULT_T0_US,
+    bodies: bool = True,
+    segment_rows: int = 50_000,
+) -> list[Path]:
     """Write the result's calls (``simulate(..., record_calls=True)``) as store segments."""
     if not result.calls:
         raise ValueError("the result holds no calls: simulate with record_calls=True")
@@ -139,4 +166,4 @@ def write_trace(result: SimResult, store: str | Path, *, proxy_id: str = "simula
 
 
 def _chunks(rows: Sequence[tuple[Any, ...]], size: int) -> list[Sequence[tuple[Any, ...]]]:
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
+    return [rows[i : i + size] for i in range(0, len(rows), size)]

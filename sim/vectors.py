@@ -60,8 +60,11 @@ def embed(text: str, dim: int, *, seed: int = 0) -> Vector:
     feats = features(text)
     if feats:
         # Sub-linear term frequency, as in TF-IDF practice, so repeated words do not dominate.
-        weights = np.fromiter((1.0 + math.log(w) if w >= 1 else w for w in feats.values()),
-                              dtype=np.float32, count=len(feats))
+        weights = np.fromiter(
+            (1.0 + math.log(w) if w >= 1 else w for w in feats.values()),
+            dtype=np.float32,
+            count=len(feats),
+        )
         vec = weights @ np.stack([_direction(f, dim, seed) for f in feats])
     else:
         vec = np.zeros(dim, dtype=np.float32)

@@ -224,15 +224,18 @@ def beam_search(p: BeamParams, rng: np.random.Generator) -> WorkflowGen:
     enough = p.stop_after_completed or p.n
     for it in range(p.max_iterations):
         last = it == p.max_iterations - 1
-        steps = [(keys.fresh(), _lognormal(rng, p.step_median_tokens, p.step_sigma,
-                                           p.max_step_tokens)) for _ in beams]
-        yield [Call(p.generator, "/v1/chat/completions", (g,), n) for (g, _), (_, n)
-               in zip(beams, steps, strict=True)]
+        steps = [
+            (keys.fresh(), _lognormal(rng, p.step_median_tokens, p.step_sigma, p.max_step_tokens))
+            for _ in beams
+        ]
+        yield [
+            Call(p.generator, "/v1/chat/completions", (g,), n)
+            for (g, _), (_, n) in zip(beams, steps, strict=True)
+        ]
         grown = [(g.extend(*s), v.extend(*s)) for (g, v), s in zip(beams, steps, strict=True)]
         yield [Call(p.verifier, "/v1/chat/completions", (v,), 1) for _, v in grown]
         done = last or rng.random(len(grown)) < p.eos_probability
-        active = [b for b, d in zip(grown, np.broadcast_to(done, len(grown)), strict=True)
-                  if not d]
+        active = [b for b, d in zip(grown, np.broadcast_to(done, len(grown)), strict=True) if not d]
         completed += len(grown) - len(active)
         if not active or completed >= enough:
             return
@@ -249,8 +252,9 @@ def rag(p: RagParams, rng: np.random.Generator) -> WorkflowGen:
     yield [Call(p.embedder, "/v1/embeddings", (Prompt(query, p.query_tokens),), 0)]
     yield Delay(p.search_seconds)
     docs = rng.choice(p.corpus, size=p.documents, replace=False) + _PASSAGE_BASE
-    pairs = tuple(Prompt(query, p.query_tokens).extend(int(d), p.pair_tokens - p.query_tokens)
-                  for d in docs)
+    pairs = tuple(
+        Prompt(query, p.query_tokens).extend(int(d), p.pair_tokens - p.query_tokens) for d in docs
+    )
     yield [Call(p.reranker, "/v1/rerank", pairs, 0)]
     prompt = Prompt(_RAG_SYSTEM, p.system_tokens)
     for d in docs[: p.top_n]:

@@ -19,13 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # What `scepsy demo` runs in its own process and in the processes it starts.
 DEMO_MODULES = (
-    "optimizer.demo",
-    "optimizer.demo_report",
-    "optimizer.local_backend",
+    "optimizer.demo.run",
+    "optimizer.demo.report",
+    "optimizer.rollout.local.backend",
     "examples.load",
     "proxy.cli",
     "sim.cli",
-    "bench.demo_profiles",
+    "bench.accuracy.demo_profiles",
 )
 OPTIMIZER_ONLY = ("kubernetes", "rich", "matplotlib", "openai", "pynvml")
 

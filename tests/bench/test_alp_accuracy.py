@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from bench.alp_accuracy import (
+from bench.accuracy.alp_accuracy import (
     CAP_MIN_REQUESTS,
     CAP_MIN_REQUESTS_QUICK,
     QUICK_ALLOCATIONS,
@@ -18,9 +18,9 @@ from bench.alp_accuracy import (
     _reused_points,
     quick_cases,
 )
-from bench.alp_truth import mean_and_se, simulated_capacity
-from bench.sim_profile import ProfileJob
-from optimizer.profiles import ProfilePoint
+from bench.accuracy.alp_truth import mean_and_se, simulated_capacity
+from bench.accuracy.sim_profile import ProfileJob
+from shared.profile_points import ProfilePoint
 
 
 def test_mean_and_se_batch_means() -> None:
@@ -57,12 +57,29 @@ def test_reused_profile_points_are_keyed_by_workflow(tmp_path: Path) -> None:
     # The same model is profiled under each workflow's own call mix: an earlier run's points
     # come back under (workflow, model, tp, share), never mixed across workflows.
     def point(share: float, rate: float) -> ProfilePoint:
-        return ProfilePoint("llama-3.2-1b", "sim-engine", "a6000", 1, share, rate, rate,
-                            1.0, 1.0, 1.0, 1.0, 0.1, 100)
+        return ProfilePoint(
+            "llama-3.2-1b",
+            "sim-engine",
+            "a6000",
+            1,
+            share,
+            rate,
+            rate,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            0.1,
+            100,
+        )
 
-    doc = {"profile_points": [{"workflow": "beam", **asdict(point(1.0, 5.0))},
-                              {"workflow": "fanout", **asdict(point(1.0, 7.0))},
-                              {"workflow": "fanout", **asdict(point(0.5, 3.0))}]}
+    doc = {
+        "profile_points": [
+            {"workflow": "beam", **asdict(point(1.0, 5.0))},
+            {"workflow": "fanout", **asdict(point(1.0, 7.0))},
+            {"workflow": "fanout", **asdict(point(0.5, 3.0))},
+        ]
+    }
     path = tmp_path / "alp_accuracy.json"
     path.write_bytes(orjson.dumps(doc))
     reused = _reused_points(path)
@@ -75,12 +92,21 @@ def test_reused_profile_points_are_keyed_by_workflow(tmp_path: Path) -> None:
 def test_profile_documents_read_back_as_the_points_they_hold(tmp_path: Path) -> None:
     # the checkpoint written once profiling ends feeds --profiles-from
     case = _cases()[2]
-    jobs = [ProfileJob(case, m, tp, share, n_per_request=1.0, target_calls=100,
-                       start_rate=1.0)
-            for m, tp, share in sorted({(m, tp, share) for alloc in case.allocations
-                                        for m, (_, tp, share) in alloc.items()})]
-    profiled = [[ProfilePoint(j.model, "sim-engine", "a6000", j.tp, j.share, r, r, 1.0, 1.0,
-                              1.0, 1.0, 0.1, 100) for r in (1.0, 2.0)] for j in jobs]
+    jobs = [
+        ProfileJob(case, m, tp, share, n_per_request=1.0, target_calls=100, start_rate=1.0)
+        for m, tp, share in sorted(
+            {(m, tp, share) for alloc in case.allocations for m, (_, tp, share) in alloc.items()}
+        )
+    ]
+    profiled = [
+        [
+            ProfilePoint(
+                j.model, "sim-engine", "a6000", j.tp, j.share, r, r, 1.0, 1.0, 1.0, 1.0, 0.1, 100
+            )
+            for r in (1.0, 2.0)
+        ]
+        for j in jobs
+    ]
     path = tmp_path / "profiles.json"
     path.write_bytes(orjson.dumps({"profile_points": _profile_docs(jobs, profiled)}))
     reused = _reused_points(path)

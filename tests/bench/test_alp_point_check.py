@@ -1,4 +1,4 @@
-"""bench.alp_point_check: points at a load of the capacity a fresh trace predicts."""
+"""bench.accuracy.alp_point_check: points at a load of the capacity a fresh trace predicts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.alp_point_check import main
+from bench.accuracy.alp_point_check import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -15,9 +15,28 @@ RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "alp_accuracy_
 
 
 def test_a_rag_point_from_the_committed_run(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(RUN), "--workflow", "rag", "--allocations", "0", "--load", "0.5",
-                 "--trace-requests", "100", "--seeds", "2", "--requests", "150",
-                 "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                str(RUN),
+                "--workflow",
+                "rag",
+                "--allocations",
+                "0",
+                "--load",
+                "0.5",
+                "--trace-requests",
+                "100",
+                "--seeds",
+                "2",
+                "--requests",
+                "150",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["label"] == "simulated" and out["trace"]["requests"] == 100
     (point,) = out["points"]
@@ -27,4 +46,5 @@ def test_a_rag_point_from_the_committed_run(capsys: pytest.CaptureFixture[str]) 
     assert len(point["seed_means"]) == 2 and point["seed_means"][0] != point["seed_means"][1]
     assert 1.0 < point["predicted"] < 5.0 and 1.0 < point["simulated"] < 5.0
     assert point["error"] == pytest.approx(
-        abs(point["predicted"] - point["simulated"]) / point["simulated"])
+        abs(point["predicted"] - point["simulated"]) / point["simulated"]
+    )

@@ -1,4 +1,4 @@
-"""bench.alp_replay: an accuracy run's points predicted again from its own JSON."""
+"""bench.accuracy.alp_replay: an accuracy run's points predicted again from its own JSON."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.alp_replay import main, pipeline_of, replay
-from optimizer.alp import ModelAlloc, Overlap, Pipeline, predict
-from optimizer.profiles import ProfileBook, ProfilePoint
+from bench.accuracy.alp_replay import main, pipeline_of, replay
+from optimizer.model.alp import ModelAlloc, Overlap, Pipeline, predict
+from optimizer.model.curves import ProfileBook
+from shared.profile_points import ProfilePoint
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,15 +21,29 @@ def _points(model: str, saturation: float, light: float) -> list[ProfilePoint]:
     out = []
     for f in (0.2, 0.5, 0.8, 1.0):
         lat = light / (1.0 - 0.9 * f)  # convex, finite at the last point
-        out.append(ProfilePoint(model=model, engine="e", gpu_type="g", tp=1, share=1.0,
-                                offered_rate=f * saturation, throughput=f * saturation,
-                                lat_mean=lat, lat_p50=lat, lat_p90=2 * lat, lat_p99=3 * lat,
-                                ttft_mean=0.1, n_calls=500))
+        out.append(
+            ProfilePoint(
+                model=model,
+                engine="e",
+                gpu_type="g",
+                tp=1,
+                share=1.0,
+                offered_rate=f * saturation,
+                throughput=f * saturation,
+                lat_mean=lat,
+                lat_p50=lat,
+                lat_p90=2 * lat,
+                lat_p99=3 * lat,
+                ttft_mean=0.1,
+                n_calls=500,
+            )
+        )
     return out
 
 
 TRACE: dict[str, Any] = {
-    "overlap_factor": 0.8, "tool_time_mean_s": 0.5,
+    "overlap_factor": 0.8,
+    "tool_time_mean_s": 0.5,
     "overlaps": [{"a": "a", "b": "b", "coupling": 1.3, "together_s": 0.4}],
     # p_agg is what the run predicted with; p (the paper's) differs, so a replay that took it
     # would predict other latencies
@@ -38,28 +53,48 @@ TRACE: dict[str, Any] = {
 
 def _run(tmp_path: Path) -> Path:
     points = _points("a", 40.0, 1.0) + _points("b", 6.0, 2.0)
-    pipe = Pipeline.from_figures("w", {"a": (4.0, 2.0), "b": (1.0, 1.0)}, 0.8, 0.5,
-                                 [Overlap("a", "b", 1.3)])
+    pipe = Pipeline.from_figures(
+        "w", {"a": (4.0, 2.0), "b": (1.0, 1.0)}, 0.8, 0.5, [Overlap("a", "b", 1.3)]
+    )
     book = ProfileBook(points)
     doc_points = []
     for replicas in (1, 2):
         alloc = {"a": ModelAlloc(1), "b": ModelAlloc(replicas)}
-        alloc_doc = {m: {"replicas": a.replicas, "tp": a.tp, "share": a.share}
-                     for m, a in alloc.items()}
+        alloc_doc = {
+            m: {"replicas": a.replicas, "tp": a.tp, "share": a.share} for m, a in alloc.items()
+        }
         cap = predict(pipe, book, alloc, 0.0).throughput
         # the "simulation" reads 10% above every prediction
-        doc_points.append({"allocation": alloc_doc, "kind": "max_throughput",
-                           "predicted": cap, "simulated": 1.1 * cap})
+        doc_points.append(
+            {
+                "allocation": alloc_doc,
+                "kind": "max_throughput",
+                "predicted": cap,
+                "simulated": 1.1 * cap,
+            }
+        )
         for load in (0.4, 0.8, 0.9):
             lat = predict(pipe, book, alloc, load * cap).latency
-            doc_points.append({"allocation": alloc_doc, "kind": "mean_latency", "load": load,
-                               "rate": load * cap, "predicted": lat, "simulated": 1.1 * lat})
+            doc_points.append(
+                {
+                    "allocation": alloc_doc,
+                    "kind": "mean_latency",
+                    "load": load,
+                    "rate": load * cap,
+                    "predicted": lat,
+                    "simulated": 1.1 * lat,
+                }
+            )
     run = tmp_path / "alp_accuracy.json"
-    run.write_bytes(orjson.dumps({
-        "summary": {"w": {"throughput_error_max": 1 / 11}},
-        "workflows": {"w": {"trace": TRACE, "points": doc_points}},
-        "profile_points": [{"workflow": "w", **asdict(p)} for p in points],
-    }))
+    run.write_bytes(
+        orjson.dumps(
+            {
+                "summary": {"w": {"throughput_error_max": 1 / 11}},
+                "workflows": {"w": {"trace": TRACE, "points": doc_points}},
+                "profile_points": [{"workflow": "w", **asdict(p)} for p in points],
+            }
+        )
+    )
     return run
 
 
@@ -68,8 +103,12 @@ def test_pipeline_of_a_trace_section_is_the_ratio_of_totals_one() -> None:
     assert [(s.model, s.n, s.p) for s in pipe.stages] == [("a", 4.0, 2.0), ("b", 1.0, 1.0)]
     assert (pipe.overlap, pipe.tool_time) == (0.8, 0.5)
     assert pipe.overlaps == (Overlap("a", "b", 1.3),)
-    odd = {**TRACE, "overlap_factor": float("nan"), "tool_time_mean_s": -1.0,
-           "models": {"a": {"n": 2.0, "p": 1.0, "p_agg": 0.5}}}
+    odd = {
+        **TRACE,
+        "overlap_factor": float("nan"),
+        "tool_time_mean_s": -1.0,
+        "models": {"a": {"n": 2.0, "p": 1.0, "p_agg": 0.5}},
+    }
     pipe = pipeline_of("w", odd)
     assert (pipe.stages[0].p, pipe.overlap, pipe.tool_time) == (1.0, 1.0, 0.0)
     assert pipe.overlaps == ()  # b has no stage

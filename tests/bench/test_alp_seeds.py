@@ -1,4 +1,4 @@
-"""bench.alp_seeds: a run's missed latency points simulated again over several seeds."""
+"""bench.accuracy.alp_seeds: a run's missed latency points simulated again over several seeds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.alp_accuracy import _cases
-from bench.alp_seeds import _alloc_index, main, selected
+from bench.accuracy.alp_accuracy import _cases
+from bench.accuracy.alp_seeds import _alloc_index, main, selected
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,22 +23,52 @@ def _doc(alloc: dict[str, tuple[int, int, float]]) -> dict[str, dict[str, float]
 def _run(tmp_path: Path) -> Path:
     alloc = _doc(RAG.allocations[1])
     points: list[dict[str, Any]] = [
-        {"allocation": alloc, "kind": "mean_latency", "load": 0.8, "rate": 1.0,
-         "predicted": 2.0, "simulated": 1.0, "simulated_se": 0.1, "requests": 300,
-         "error": 1.0},
+        {
+            "allocation": alloc,
+            "kind": "mean_latency",
+            "load": 0.8,
+            "rate": 1.0,
+            "predicted": 2.0,
+            "simulated": 1.0,
+            "simulated_se": 0.1,
+            "requests": 300,
+            "error": 1.0,
+        },
         # not selected: another load, a small error, a throughput point
-        {"allocation": alloc, "kind": "mean_latency", "load": 0.6, "rate": 0.8,
-         "predicted": 2.0, "simulated": 1.0, "simulated_se": 0.1, "requests": 300,
-         "error": 1.0},
-        {"allocation": alloc, "kind": "mean_latency", "load": 0.8, "rate": 1.0,
-         "predicted": 1.01, "simulated": 1.0, "simulated_se": 0.1, "requests": 300,
-         "error": 0.01},
-        {"allocation": alloc, "kind": "max_throughput", "predicted": 2.0, "simulated": 1.0,
-         "error": 1.0},
+        {
+            "allocation": alloc,
+            "kind": "mean_latency",
+            "load": 0.6,
+            "rate": 0.8,
+            "predicted": 2.0,
+            "simulated": 1.0,
+            "simulated_se": 0.1,
+            "requests": 300,
+            "error": 1.0,
+        },
+        {
+            "allocation": alloc,
+            "kind": "mean_latency",
+            "load": 0.8,
+            "rate": 1.0,
+            "predicted": 1.01,
+            "simulated": 1.0,
+            "simulated_se": 0.1,
+            "requests": 300,
+            "error": 0.01,
+        },
+        {
+            "allocation": alloc,
+            "kind": "max_throughput",
+            "predicted": 2.0,
+            "simulated": 1.0,
+            "error": 1.0,
+        },
     ]
     path = tmp_path / "alp_accuracy.json"
-    path.write_bytes(orjson.dumps({"workflows": {"rag": {
-        "trace": {"latency_mean_s": 1.5}, "points": points}}}))
+    path.write_bytes(
+        orjson.dumps({"workflows": {"rag": {"trace": {"latency_mean_s": 1.5}, "points": points}}})
+    )
     return path
 
 
@@ -53,8 +83,22 @@ def test_allocation_index_and_selection(tmp_path: Path) -> None:
 
 def test_replications_measure_the_point_again(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main([str(_run(tmp_path)), "--seeds", "2", "--requests", "150", "--workers", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                str(_run(tmp_path)),
+                "--seeds",
+                "2",
+                "--requests",
+                "150",
+                "--workers",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = orjson.loads((out / "alp_seeds.json").read_bytes())
     assert report["label"] == "simulated"
     (point,) = report["points"]

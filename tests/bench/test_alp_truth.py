@@ -9,8 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.alp_accuracy import _cases
-from bench.alp_truth import (
+from bench.accuracy.alp_accuracy import _cases
+from bench.accuracy.alp_truth import (
     CAP_STRETCHES,
     CAP_WARMUP_LATENCIES,
     CAP_WINDOW_LATENCIES,
@@ -56,8 +56,9 @@ def test_a_short_overloaded_window_is_stretched_to_its_latency() -> None:
     assert stretch(w, replace(w, achieved=8.0)) is not None
 
 
-def _filling(latency_s: float, tau_s: float, drift: float = 0.0
-             ) -> tuple[Run, list[tuple[float, float]]]:
+def _filling(
+    latency_s: float, tau_s: float, drift: float = 0.0
+) -> tuple[Run, list[tuple[float, float]]]:
     """A fake run: a stable system whose in-flight count fills as 1 - exp(-t / tau) towards
     rate x latency, so a window completes its arrivals less that fill (and less ``drift``
     of them: an overload)."""
@@ -68,8 +69,13 @@ def _filling(latency_s: float, tau_s: float, drift: float = 0.0
         q = rate * latency_s
         fill = q * (math.exp(-warmup_s / tau_s) - math.exp(-(warmup_s + window_s) / tau_s))
         achieved = rate * (1.0 - drift) - fill / window_s
-        return Window(rate, achieved, latency_s * (1 + drift * (warmup_s + window_s) / 100),
-                      warmup_s, window_s)
+        return Window(
+            rate,
+            achieved,
+            latency_s * (1 + drift * (warmup_s + window_s) / 100),
+            warmup_s,
+            window_s,
+        )
 
     return run, calls
 
@@ -112,8 +118,7 @@ def test_latency_runs_grow_to_hold_their_own_latency() -> None:
     assert next_latency_run(job, huge) == LATENCY_MAX_REQUESTS
     assert next_latency_run(job, replace(huge, n=LATENCY_MAX_REQUESTS)) is None
     # nothing measured yet (the run was shorter than its warm-up): grows
-    empty = LatencyRun(n=200, warmup_s=400.0, mean=math.nan, se=math.inf, completed=0,
-                       failed=0)
+    empty = LatencyRun(n=200, warmup_s=400.0, mean=math.nan, se=math.inf, completed=0, failed=0)
     grown = next_latency_run(job, empty)
     assert grown is not None and grown > 200
 
@@ -126,8 +131,9 @@ def test_standard_error_batches_span_several_latencies_when_runs_check_their_len
     assert latency_batches(job, 50.0, 10.0) == 2
     assert latency_batches(job, 1e6, 10.0) == LATENCY_BATCHES
     # the quick run's fixed windows, or no latency measured: the fixed count
-    assert latency_batches(replace(job, latency_window_latencies=0.0), 500.0, 10.0) \
-        == LATENCY_BATCHES
+    assert (
+        latency_batches(replace(job, latency_window_latencies=0.0), 500.0, 10.0) == LATENCY_BATCHES
+    )
     assert latency_batches(job, 500.0, math.nan) == LATENCY_BATCHES
 
 
@@ -152,8 +158,9 @@ def test_long_batches_read_a_correlated_series_honestly() -> None:
     assert float(np.median(short_se)) < 0.7 * true_se
 
 
-def _fake_runs(means: dict[int, float]) -> tuple[Callable[[EvalJob, int, float], LatencyRun],
-                                                  list[tuple[int, int, float]]]:
+def _fake_runs(
+    means: dict[int, float],
+) -> tuple[Callable[[EvalJob, int, float], LatencyRun], list[tuple[int, int, float]]]:
     """A latency run that reads ``means[seed]`` (precise by its own batch means), and the
     (seed, arrivals, warm-up) it was asked for."""
     calls: list[tuple[int, int, float]] = []

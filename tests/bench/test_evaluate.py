@@ -1,4 +1,4 @@
-"""Smoke test of bench.evaluate on a tiny configuration: every system, every workflow, JSON shape.
+"""Smoke test of bench.evaluation.evaluate on a tiny configuration: every system, every workflow, JSON shape.
 
 The profiles and pipelines are a small hand-written fake of what tracing and profiling produce
 (written where ``--reuse-profiles`` reads them), so the test exercises planning, the static and
@@ -14,11 +14,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import evaluate
-from bench.eval_report import cause, summarise
-from bench.eval_runs import PointJob
-from bench.eval_scepsy import PROFILE_KEYS
-from bench.eval_setup import QUICK, SYSTEMS, WORKFLOWS
+from bench.evaluation import evaluate
+from bench.evaluation.report import cause, summarise
+from bench.evaluation.runs import PointJob
+from bench.evaluation.scepsy import PROFILE_KEYS
+from bench.evaluation.setup import QUICK, SYSTEMS, WORKFLOWS
 
 # model -> (calls per request, parallelism, light-load call latency s, whole-GPU calls/s)
 FAKE = {
@@ -35,24 +35,48 @@ def _point(model: str, tp: int, share: float, load: float) -> dict[str, object]:
     t = cap * share * (1.6 if tp == 2 else 1.0)
     rate = load * t
     latency = lat / (1.0 - min(load, 0.95))
-    return {"model": model, "engine": "sim-engine", "gpu_type": "a6000", "tp": tp,
-            "share": share, "offered_rate": rate, "throughput": min(rate, t),
-            "lat_mean": latency, "lat_p50": latency, "lat_p90": 1.5 * latency,
-            "lat_p99": 2 * latency, "ttft_mean": lat / 4, "n_calls": 500}
+    return {
+        "model": model,
+        "engine": "sim-engine",
+        "gpu_type": "a6000",
+        "tp": tp,
+        "share": share,
+        "offered_rate": rate,
+        "throughput": min(rate, t),
+        "lat_mean": latency,
+        "lat_p50": latency,
+        "lat_p90": 1.5 * latency,
+        "lat_p99": 2 * latency,
+        "ttft_mean": lat / 4,
+        "n_calls": 500,
+    }
 
 
 def _knowledge() -> dict[str, object]:
     def stages(models: tuple[str, ...]) -> list[dict[str, object]]:
         return [{"model": m, "n": FAKE[m][0], "p": FAKE[m][1]} for m in models]
+
     return {
         "pipelines": {
-            "beam": {"workflow": "beam", "stages": stages(("llama-3.2-1b", "llama-3.1-8b-prm")),
-                     "overlap": 1.0, "tool_time": 0.0},
-            "rag": {"workflow": "rag", "stages": stages(("e5-base-v2", "bge-reranker-base",
-                                                         "llama-3-8b")),
-                    "overlap": 1.0, "tool_time": 0.005}},
-        "points": [_point(m, tp, s, load) for m, keys in PROFILE_KEYS.items()
-                   for tp, s in keys for load in (0.2, 0.6, 0.9, 1.2)],
+            "beam": {
+                "workflow": "beam",
+                "stages": stages(("llama-3.2-1b", "llama-3.1-8b-prm")),
+                "overlap": 1.0,
+                "tool_time": 0.0,
+            },
+            "rag": {
+                "workflow": "rag",
+                "stages": stages(("e5-base-v2", "bge-reranker-base", "llama-3-8b")),
+                "overlap": 1.0,
+                "tool_time": 0.005,
+            },
+        },
+        "points": [
+            _point(m, tp, s, load)
+            for m, keys in PROFILE_KEYS.items()
+            for tp, s in keys
+            for load in (0.2, 0.6, 0.9, 1.2)
+        ],
         "light_latency": {"beam": 12.0, "rag": 0.8},
     }
 
@@ -61,8 +85,21 @@ def _knowledge() -> dict[str, object]:
 @pytest.mark.timeout(120)
 def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
     (tmp_path / "knowledge.json").write_bytes(orjson.dumps(_knowledge()))
-    rc = evaluate.main(["--out", str(tmp_path), "--quick", "--reuse-profiles", "--no-dynamic",
-                        "--rates", "0.08", "--scale", "0.15", "--workers", "1"])
+    rc = evaluate.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--quick",
+            "--reuse-profiles",
+            "--no-dynamic",
+            "--rates",
+            "0.08",
+            "--scale",
+            "0.15",
+            "--workers",
+            "1",
+        ]
+    )
     assert rc == 0
     doc = orjson.loads((tmp_path / "evaluation.json").read_bytes())
     assert doc["label"] == "simulated"
@@ -78,7 +115,8 @@ def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
                 assert math.isclose(entry["latency_ratio_to_scepsy_median"], 1.0)
     points = doc["points"]
     assert {(p["workflow"], p["system"]) for p in points} == {
-        (wf, s) for wf in WORKFLOWS for s in SYSTEMS}
+        (wf, s) for wf in WORKFLOWS for s in SYSTEMS
+    }
     assert all(p["label"] == "simulated" for p in points)
     hpa = [p for p in points if p["system"] == "hpa"]
     # combined needs five whole-GPU pods: on 4 GPUs the autoscaler cannot serve it
@@ -100,19 +138,40 @@ def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
     assert "PARTIAL" in (tmp_path / "evaluation.md").read_text()
 
 
-def _pt(system: str, rate: float, measured: float, sustained: bool, latency: float = 1.0,
-        **extra: object) -> dict[str, object]:
-    return {"system": system, "workflow": "beam", "gpus": 4, "rate": rate,
-            "throughput": measured, "latency_mean": latency, "latency_p90": 2 * latency,
-            "sustained": sustained, **extra}
+def _pt(
+    system: str,
+    rate: float,
+    measured: float,
+    sustained: bool,
+    latency: float = 1.0,
+    **extra: object,
+) -> dict[str, object]:
+    return {
+        "system": system,
+        "workflow": "beam",
+        "gpus": 4,
+        "rate": rate,
+        "throughput": measured,
+        "latency_mean": latency,
+        "latency_p90": 2 * latency,
+        "sustained": sustained,
+        **extra,
+    }
 
 
 def test_peaks_compare_by_offered_rate_not_by_the_measured_window() -> None:
-    points = [_pt("scepsy", 1.0, 0.97, True), _pt("scepsy", 2.0, 1.9, True),
-              _pt("hpa", 1.0, 1.02, True), _pt("hpa", 2.0, 2.1, True),  # same rates: a tie
-              _pt("even", 1.0, 1.0, True), _pt("even", 2.0, 1.2, False),
-              _pt("independent", 1.0, 1.0, True), _pt("independent", 2.0, 2.0, True),
-              _pt("independent", 3.0, 2.9, True), _pt("scepsy", 3.0, 1.5, False)]
+    points = [
+        _pt("scepsy", 1.0, 0.97, True),
+        _pt("scepsy", 2.0, 1.9, True),
+        _pt("hpa", 1.0, 1.02, True),
+        _pt("hpa", 2.0, 2.1, True),  # same rates: a tie
+        _pt("even", 1.0, 1.0, True),
+        _pt("even", 2.0, 1.2, False),
+        _pt("independent", 1.0, 1.0, True),
+        _pt("independent", 2.0, 2.0, True),
+        _pt("independent", 3.0, 2.9, True),
+        _pt("scepsy", 3.0, 1.5, False),
+    ]
     summary, shortfalls = summarise(points)
     s = summary["beam"]["4"]
     assert s["hpa"]["max_sustained_rate"] == s["scepsy"]["max_sustained_rate"] == 2.0
@@ -127,8 +186,7 @@ def test_cause_tells_the_search_from_the_alp() -> None:
     alloc = [{"model": "m", "replicas": 1, "tp": 1, "share": 1.0}]
 
     def shortfall(b_alp: dict[str, object], s_alp: dict[str, object]) -> dict[str, object]:
-        base = _pt("independent", 2.0, 2.0, True, 1.0, allocation=alloc,
-                   alp={"beam": b_alp})
+        base = _pt("independent", 2.0, 2.0, True, 1.0, allocation=alloc, alp={"beam": b_alp})
         ours = _pt("scepsy", 2.0, 1.0, False, 5.0, allocation=alloc, alp={"beam": s_alp})
         _, found = summarise([base, ours])
         return next(f for f in found if f["rate"] == 2.0)
@@ -144,10 +202,24 @@ def test_cause_tells_the_search_from_the_alp() -> None:
     short = shortfall({"throughput": 2.1, "latency": 1.0}, {"throughput": 2.5, "latency": 2.0})
     assert "ALP capacity" in cause(short)  # 2.1 < 2.0 x (1 + headroom)
 
-    faster = _pt("even", 2.0, 2.0, True, 1.0, allocation=alloc,
-                 alp={"beam": {"throughput": 3.0, "latency": 1.5}})
-    ours = _pt("scepsy", 2.0, 2.0, True, 2.0, allocation=alloc,
-               alp={"beam": {"throughput": 3.0, "latency": 1.0}})
+    faster = _pt(
+        "even",
+        2.0,
+        2.0,
+        True,
+        1.0,
+        allocation=alloc,
+        alp={"beam": {"throughput": 3.0, "latency": 1.5}},
+    )
+    ours = _pt(
+        "scepsy",
+        2.0,
+        2.0,
+        True,
+        2.0,
+        allocation=alloc,
+        alp={"beam": {"throughput": 3.0, "latency": 1.0}},
+    )
     found = summarise([faster, ours])[1]
     assert found[0]["what"].startswith("is faster") and "ALP ranking" in cause(found[0])
 
@@ -180,10 +252,19 @@ def test_combined_shortfall_names_the_beam_trade_off() -> None:
     alloc = [{"model": "m", "replicas": 1, "tp": 1, "share": 1.0}]
 
     def combined(system: str, rag_latency: float, beam_latency: float) -> dict[str, object]:
-        return {**_pt(system, 2.0, 2.0, True, rag_latency, allocation=alloc,
-                      alp={"rag": {"throughput": 3.0, "latency": rag_latency}}),
-                "workflow": "combined",
-                "workflows": {"beam": {"latency_mean": beam_latency}}}
+        return {
+            **_pt(
+                system,
+                2.0,
+                2.0,
+                True,
+                rag_latency,
+                allocation=alloc,
+                alp={"rag": {"throughput": 3.0, "latency": rag_latency}},
+            ),
+            "workflow": "combined",
+            "workflows": {"beam": {"latency_mean": beam_latency}},
+        }
 
     _, found = summarise([combined("independent", 1.0, 30.0), combined("scepsy", 2.0, 20.0)])
     assert "Trade-off" in cause(found[0]) and "30" in cause(found[0])
@@ -192,9 +273,12 @@ def test_combined_shortfall_names_the_beam_trade_off() -> None:
 
 
 def test_an_allocation_that_does_not_place_sustains_nothing() -> None:
-    points = [_pt("scepsy", 1.0, 1.0, True), _pt("scepsy", 2.0, 1.2, False),
-              _pt("independent", 1.0, 1.0, True, 0.5, placed=False),
-              _pt("independent", 2.0, 2.0, True, 0.5, placed=False)]
+    points = [
+        _pt("scepsy", 1.0, 1.0, True),
+        _pt("scepsy", 2.0, 1.2, False),
+        _pt("independent", 1.0, 1.0, True, 0.5, placed=False),
+        _pt("independent", 2.0, 2.0, True, 0.5, placed=False),
+    ]
     summary, shortfalls = summarise(points)
     assert summary["beam"]["4"]["independent"]["max_sustained_rate"] == 0.0
     assert summary["beam"]["4"]["independent"]["rates_compared"] == 0
@@ -202,12 +286,14 @@ def test_an_allocation_that_does_not_place_sustains_nothing() -> None:
 
 
 def test_cached_knowledge_keeps_the_pipelines_overlapping_pairs() -> None:
-    from bench.eval_scepsy import Knowledge, _from_doc, _to_doc
-    from optimizer.alp import Overlap, Pipeline, Stage
-    from optimizer.profiles import ProfileBook
+    from bench.evaluation.scepsy import Knowledge, _from_doc, _to_doc
+    from optimizer.model.alp import Overlap, Pipeline, Stage
+    from optimizer.model.curves import ProfileBook
 
-    pipe = Pipeline("fan", (Stage("a", 2.0, 1.0), Stage("b", 2.0, 1.0)), 0.7, 0.1,
-                    (Overlap("a", "b", 1.4),))
-    doc = orjson.loads(orjson.dumps(_to_doc(Knowledge({}, {"fan": pipe}, ProfileBook([]), (),
-                                                       {"fan": 1.0}))))
+    pipe = Pipeline(
+        "fan", (Stage("a", 2.0, 1.0), Stage("b", 2.0, 1.0)), 0.7, 0.1, (Overlap("a", "b", 1.4),)
+    )
+    doc = orjson.loads(
+        orjson.dumps(_to_doc(Knowledge({}, {"fan": pipe}, ProfileBook([]), (), {"fan": 1.0})))
+    )
     assert _from_doc(doc).pipelines == {"fan": pipe}

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench.proxy_overhead`` at a tiny scale, and the bench upstream's HTTP parsing.
+"""Smoke test of ``bench.proxy.overhead`` at a tiny scale, and the bench upstream's HTTP parsing.
 
 The benchmark's figures are not asserted (they depend on the machine); what is asserted is that
 every measurement ran without errors, that the report has the documented shape, and that the
@@ -13,8 +13,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench._upstream import Counters, EngineProtocol
-from bench.proxy_overhead import TARGETS, Plan, run_benchmark, write_report
+from bench.proxy._upstream import Counters, EngineProtocol
+from bench.proxy.overhead import TARGETS, Plan, run_benchmark, write_report
 
 TINY = Plan(
     duration_s=0.3,

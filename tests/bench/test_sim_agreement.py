@@ -1,4 +1,4 @@
-"""bench.sim_agreement on a tiny plan: emulator processes, the proxy, the simulator, one load;
+"""bench.accuracy.sim_agreement on a tiny plan: emulator processes, the proxy, the simulator, one load;
 checks the result's shape and labels (the figures themselves are the benchmark's job)."""
 
 from __future__ import annotations
@@ -8,10 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_agreement import Plan, run, table
+from bench.accuracy.sim_agreement import Plan, run, table
 
-TINY = Plan(speedup=20.0, fractions=(0.5,), warmup_s=1.0, duration_s=6.0, passages=100,
-            long_run_s=20.0, capacity_s=30.0)
+TINY = Plan(
+    speedup=20.0,
+    fractions=(0.5,),
+    warmup_s=1.0,
+    duration_s=6.0,
+    passages=100,
+    long_run_s=20.0,
+    capacity_s=30.0,
+)
 
 
 @pytest.mark.slow
@@ -25,8 +32,9 @@ async def test_tiny_plan_writes_labelled_points_and_summary(tmp_path: Path) -> N
         assert {"mean_s", "p50_s", "p90_s"} <= set(point[side])
         assert point[side]["mean_s"] > 0
     assert point["emulated"]["failed"] == 0
-    assert math.isclose(point["relative_error"],
-                        point["emulated"]["mean_s"] / point["simulated"]["mean_s"] - 1)
+    assert math.isclose(
+        point["relative_error"], point["emulated"]["mean_s"] / point["simulated"]["mean_s"] - 1
+    )
     # the proxy saw one embedding, one rerank and one chat call per request
     calls = {m: v["ok"] for m, v in point["proxy_calls"].items()}
     assert set(calls) == {"e5-base-v2", "bge-reranker-base", "llama-3-8b"}

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from bench.sim_profile import (
+from bench.accuracy.sim_profile import (
     FILL_LATENCIES,
     FOLLOW_Z,
     RECHECK_SCALE,
@@ -23,7 +23,8 @@ from bench.sim_profile import (
     run_profile,
     uncertain,
 )
-from optimizer.profiles import Profile, ProfilePoint
+from optimizer.model.curves import Profile
+from shared.profile_points import ProfilePoint
 from sim.workflows import BeamParams
 
 
@@ -32,8 +33,17 @@ def test_a_dependency_bound_workflow_falling_behind_is_not_keeping_up() -> None:
     # past saturation the verifier's submitted calls track its completions (here ~97% of
     # them): the calls piled up there count per request arriving (~23 calls, ~3 at a time).
     case = Case("beam", BeamParams(max_iterations=6), "a6000", 0.0, 0, 0)
-    job = ProfileJob(case, "llama-3.1-8b-prm", 1, 1.0, n_per_request=23.1, target_calls=100,
-                     start_rate=1.0, min_requests=150, parallel=3.0)
+    job = ProfileJob(
+        case,
+        "llama-3.1-8b-prm",
+        1,
+        1.0,
+        n_per_request=23.1,
+        target_calls=100,
+        start_rate=1.0,
+        min_requests=150,
+        parallel=3.0,
+    )
     light = _point(job, 50.0, seed=1).point
     assert keeps_up(light.offered_rate, light.throughput)
     reading = _point(job, 64.7, seed=1)
@@ -57,16 +67,41 @@ def _fake_measure(true_capacity: float, short_noise_from: float) -> Measure:
             achieved = 0.92 * rate
         else:
             achieved = rate
-        return Reading(ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate,
-                                    achieved, 1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0)
+        return Reading(
+            ProfilePoint(
+                job.model,
+                "fake",
+                "a6000",
+                job.tp,
+                job.share,
+                rate,
+                achieved,
+                1.0,
+                1.0,
+                1.0,
+                1.0,
+                0.1,
+                1000,
+            ),
+            0.0,
+        )
 
     return measure
 
 
 def test_a_marginal_overload_is_measured_again_over_a_longer_window() -> None:
     case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
-    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
-                     start_rate=5.0, precision=0.02, refine=())
+    job = ProfileJob(
+        case,
+        "gen",
+        1,
+        1.0,
+        n_per_request=40.0,
+        target_calls=100,
+        start_rate=5.0,
+        precision=0.02,
+        refine=(),
+    )
     points = run_profile(job, _fake_measure(true_capacity=60.0, short_noise_from=45.0))
     profile = Profile.from_points(points)
     # a short window's swing no longer caps the profile at the last rate below 45 calls/s
@@ -84,6 +119,7 @@ def test_decide_asks_a_longer_window_only_when_marginal() -> None:
         def measure(scale: float) -> tuple[bool, bool]:
             asked.append(scale)
             return verdicts[scale]
+
         return measure
 
     assert decide(run({1.0: (False, True), RECHECK_SCALE: (True, False)}))
@@ -105,8 +141,21 @@ def _noisy_measure(true_capacity: float, asked: list[tuple[float, float]]) -> Me
             achieved = rate if near and scale == 1.0 else 0.85 * rate
         else:
             achieved = 0.9 * rate if near and scale == 1.0 else rate
-        point = ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
-                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        point = ProfilePoint(
+            job.model,
+            "fake",
+            "a6000",
+            job.tp,
+            job.share,
+            rate,
+            achieved,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            0.1,
+            1000,
+        )
         return Reading(point, 0.0, 0.06 / scale)
 
     return measure
@@ -114,8 +163,19 @@ def _noisy_measure(true_capacity: float, asked: list[tuple[float, float]]) -> Me
 
 def test_a_verdict_within_its_noise_is_measured_again_either_way() -> None:
     case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
-    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
-                     start_rate=5.0, precision=0.02, refine=(), follow_z=FOLLOW_Z, max_scale=4.0)
+    job = ProfileJob(
+        case,
+        "gen",
+        1,
+        1.0,
+        n_per_request=40.0,
+        target_calls=100,
+        start_rate=5.0,
+        precision=0.02,
+        refine=(),
+        follow_z=FOLLOW_Z,
+        max_scale=4.0,
+    )
     asked: list[tuple[float, float]] = []
     points = run_profile(job, _noisy_measure(60.0, asked))
     profile = Profile.from_points(points)
@@ -125,16 +185,34 @@ def test_a_verdict_within_its_noise_is_measured_again_either_way() -> None:
     # rechecked up to 4x, and only the deciding reading of each probe is kept
     assert {scale for _, scale in asked} == {1.0, 2.0, 4.0}
     assert len(points) == sum(1 for _, scale in asked if scale == 1.0)
-    without = run_profile(replace(job, follow_z=None, max_scale=RECHECK_SCALE),
-                          _noisy_measure(60.0, []))
+    without = run_profile(
+        replace(job, follow_z=None, max_scale=RECHECK_SCALE), _noisy_measure(60.0, [])
+    )
     # the old rule rechecks only a marginal overload: a false keep-up above 60 stands
     assert Profile.from_points(without).saturation > 60.0 * 1.01
 
 
 def test_uncertain_reads_the_noise_either_side_of_the_tolerance() -> None:
     def reading(shortfall: float, se: float) -> Reading:
-        return Reading(ProfilePoint("m", "fake", "a6000", 1, 1.0, 100.0, 100.0 * (1 - shortfall),
-                                    1.0, 1.0, 1.0, 1.0, 0.1, 1000), 0.0, se)
+        return Reading(
+            ProfilePoint(
+                "m",
+                "fake",
+                "a6000",
+                1,
+                1.0,
+                100.0,
+                100.0 * (1 - shortfall),
+                1.0,
+                1.0,
+                1.0,
+                1.0,
+                0.1,
+                1000,
+            ),
+            0.0,
+            se,
+        )
 
     assert uncertain(reading(0.0, 0.03))  # kept up, but 0.05 is within 2 x 0.03
     assert not uncertain(reading(0.0, 0.02))
@@ -157,8 +235,21 @@ def _filling_measure(true_capacity: float, fill_s: float, asked: list[float]) ->
         window, warmup = 100.0 * scale, 20.0 * scale
         pile = math.exp(-warmup / fill_s) * fill_s / window
         achieved = rate * (1.0 - pile) if rate <= true_capacity else 0.7 * rate
-        point = ProfilePoint(job.model, "fake", "a6000", job.tp, job.share, rate, achieved,
-                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        point = ProfilePoint(
+            job.model,
+            "fake",
+            "a6000",
+            job.tp,
+            job.share,
+            rate,
+            achieved,
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            0.1,
+            1000,
+        )
         return Reading(point, 0.0, 0.005, scale, warmup, window, fill_s)
 
     return measure
@@ -166,9 +257,20 @@ def _filling_measure(true_capacity: float, fill_s: float, asked: list[float]) ->
 
 def test_an_overload_the_workflows_fill_explains_is_measured_with_a_longer_warmup() -> None:
     case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
-    job = ProfileJob(case, "gen", 1, 1.0, n_per_request=40.0, target_calls=100,
-                     start_rate=5.0, precision=0.02, refine=(), follow_z=FOLLOW_Z,
-                     max_scale=4.0, fill_latencies=FILL_LATENCIES)
+    job = ProfileJob(
+        case,
+        "gen",
+        1,
+        1.0,
+        n_per_request=40.0,
+        target_calls=100,
+        start_rate=5.0,
+        precision=0.02,
+        refine=(),
+        follow_z=FOLLOW_Z,
+        max_scale=4.0,
+        fill_latencies=FILL_LATENCIES,
+    )
     asked: list[float] = []
     # a 40 s fill reads 6% short after the one-scale 20 s warm-up: every rate looks overloaded
     points = run_profile(job, _filling_measure(60.0, 40.0, asked))
@@ -180,8 +282,21 @@ def test_an_overload_the_workflows_fill_explains_is_measured_with_a_longer_warmu
 
 def test_refill_stands_for_a_backlog() -> None:
     def reading(shortfall: float, scale: float = 1.0, fill_s: float = 40.0) -> Reading:
-        point = ProfilePoint("m", "fake", "a6000", 1, 1.0, 100.0, 100.0 * (1 - shortfall),
-                             1.0, 1.0, 1.0, 1.0, 0.1, 1000)
+        point = ProfilePoint(
+            "m",
+            "fake",
+            "a6000",
+            1,
+            1.0,
+            100.0,
+            100.0 * (1 - shortfall),
+            1.0,
+            1.0,
+            1.0,
+            1.0,
+            0.1,
+            1000,
+        )
         return Reading(point, 0.0, 0.005, scale, 20.0 * scale, 100.0 * scale, fill_s)
 
     assert refill_scale(reading(0.2), 3.0) == 6.0

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from optimizer import cli
+from optimizer.cli import main as cli
 from tests.deploy import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]

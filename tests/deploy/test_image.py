@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optimizer import cli
+from optimizer.cli import main as cli
 from proxy import cli as proxy_cli
 from shared.rollout_settings import KubernetesSettings
 from sim import cli as sim_cli

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from optimizer import cli
-from optimizer.kube_render import render_routes
+from optimizer.cli import main as cli
+from optimizer.rollout.kube.render import render_routes
 from proxy import cli as proxy_cli
 from shared.settings import Settings, parse_host_port
 from shared.settings_schema import decode

@@ -39,8 +39,11 @@ class Cluster:
     seen: list[Seen]
 
     def endpoints(self) -> Endpoints:
-        return Endpoints("http://127.0.0.1:9/v1",  # nothing listens there: every model is mapped
-                         {m: s.base_url for m, s in self.servers.items()}, max_retries=0)
+        return Endpoints(
+            "http://127.0.0.1:9/v1",  # nothing listens there: every model is mapped
+            {m: s.base_url for m, s in self.servers.items()},
+            max_retries=0,
+        )
 
     def model_of(self, seen: Seen) -> str:
         return next(m for m, s in self.servers.items() if s.port == seen.model_port)
@@ -53,9 +56,16 @@ async def cluster() -> AsyncIterator[Cluster]:
 
     def observe(request: web.Request) -> None:
         port = request.url.port or 0
-        seen.append(Seen(next(counter), port, request.path,
-                         request.headers.get(WORKFLOW_HEADER),
-                         request.headers.get(REQUEST_HEADER)))
+        seen.append(
+            Seen(
+                next(counter),
+                port,
+                request.path,
+                request.headers.get(WORKFLOW_HEADER),
+                request.headers.get(REQUEST_HEADER),
+            )
+        )
+
     configs = [EmulatorConfig(model=m, speedup=2000.0) for m in MODELS]
     async with serving_many(configs, observe=observe) as servers:
         yield Cluster(servers, seen)
@@ -87,17 +97,21 @@ async def test_rag_calls_embed_rerank_chat_in_order_and_retrieves(cluster: Clust
     asked = questions(4, seed=1)
     try:
         index = await build_index(endpoints, cfg, passages(240, seed=1), batch=100)
-        results = [await answer(endpoints, index, q.text, cfg, request_id=f"rag-{i}")
-                   for i, q in enumerate(asked)]
+        results = [
+            await answer(endpoints, index, q.text, cfg, request_id=f"rag-{i}")
+            for i, q in enumerate(asked)
+        ]
     finally:
         await endpoints.close()
     on_topic = 0
     for i, (q, r) in enumerate(zip(asked, results, strict=True)):
         calls = [s for s in cluster.seen if s.request_id == f"rag-{i}"]
-        assert [cluster.model_of(s) for s in calls] == ["e5-base-v2", "bge-reranker-base",
-                                                        "llama-3-8b"]
-        assert [s.path for s in calls] == ["/v1/embeddings", "/v1/rerank",
-                                           "/v1/chat/completions"]
+        assert [cluster.model_of(s) for s in calls] == [
+            "e5-base-v2",
+            "bge-reranker-base",
+            "llama-3-8b",
+        ]
+        assert [s.path for s in calls] == ["/v1/embeddings", "/v1/rerank", "/v1/chat/completions"]
         assert {s.workflow for s in calls} == {"rag"}
         assert len(r.passages) == 5 and r.answer
         on_topic += sum(topic_of(index.texts[p]) == q.topic for p in r.passages)
@@ -141,8 +155,9 @@ async def _cli(module: str, cluster: Cluster, *extra: str) -> dict[str, object]:
     argv = [sys.executable, "-m", module, "--base-url", "http://127.0.0.1:9/v1", *extra]
     for model, server in cluster.servers.items():
         argv += ["--model-url", f"{model}={server.base_url}"]
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=40)
     finally:
@@ -158,7 +173,8 @@ async def _cli(module: str, cluster: Cluster, *extra: str) -> dict[str, object]:
 async def test_examples_run_once_from_the_command_line(cluster: Cluster) -> None:
     beam, rag = await asyncio.gather(
         _cli("examples.beam_search", cluster, "--iterations", "3", "--n", "4"),
-        _cli("examples.rag_rerank", cluster, "--passages", "60"))
+        _cli("examples.rag_rerank", cluster, "--passages", "60"),
+    )
     assert beam["generator_calls"] == beam["verifier_calls"] == 4 * int(str(beam["iterations"]))
     assert rag["answer"] and len(rag["passages"]) == 5  # type: ignore[arg-type]
     workflows = {s.workflow for s in cluster.seen}

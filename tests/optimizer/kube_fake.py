@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
-from optimizer.backend import RolloutError
-from optimizer.kube_render import ROUTES_KEY
+from optimizer.rollout.backend import RolloutError
+from optimizer.rollout.kube.render import ROUTES_KEY
 
 Key = tuple[str, str, str]
 
@@ -54,17 +54,26 @@ class FakeKube:
             return False
         old = self.objects.get(key)
         if old is not None and m["kind"] == "Pod" and old["spec"] != m["spec"]:
-            raise RolloutError(f"Pod {key[2]} is invalid: spec: Forbidden: pod updates may not "
-                               "change fields other than image, activeDeadlineSeconds, ...")
+            raise RolloutError(
+                f"Pod {key[2]} is invalid: spec: Forbidden: pod updates may not "
+                "change fields other than image, activeDeadlineSeconds, ..."
+            )
         self._version += 1
         obj = copy.deepcopy(m)
         obj["metadata"]["resourceVersion"] = str(self._version)
         if m["kind"] == "Pod":
             obj["status"] = (old or {}).get("status") or {
                 "phase": "Pending",
-                "containerStatuses": [{"name": c["name"], "ready": False, "restartCount": 0,
-                                       "state": {"waiting": {"reason": "ContainerCreating"}}}
-                                      for c in m["spec"]["containers"]]}
+                "containerStatuses": [
+                    {
+                        "name": c["name"],
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"waiting": {"reason": "ContainerCreating"}},
+                    }
+                    for c in m["spec"]["containers"]
+                ],
+            }
         self.objects[key] = obj
         self.applied[key] = m
         self.log.append(("apply", key[0], key[2], True))
@@ -78,10 +87,13 @@ class FakeKube:
         return copy.deepcopy(obj)
 
     def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
-                if k == kind and ns == namespace
-                and all((o["metadata"].get("labels") or {}).get(a) == b
-                        for a, b in labels.items())]
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in sorted(self.objects.items())
+            if k == kind
+            and ns == namespace
+            and all((o["metadata"].get("labels") or {}).get(a) == b for a, b in labels.items())
+        ]
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         self._mutation()
@@ -105,9 +117,13 @@ class FakeKube:
                 del self.objects[key]
                 self.applied.pop(key, None)
                 continue
-            obj["status"] = {"phase": "Running", "containerStatuses": [
-                {"name": c["name"], "ready": True, "restartCount": 0,
-                 "state": {"running": {}}} for c in obj["spec"]["containers"]]}
+            obj["status"] = {
+                "phase": "Running",
+                "containerStatuses": [
+                    {"name": c["name"], "ready": True, "restartCount": 0, "state": {"running": {}}}
+                    for c in obj["spec"]["containers"]
+                ],
+            }
 
     def pods(self) -> builtins.list[dict[str, Any]]:
         return [o for (k, _, _), o in sorted(self.objects.items()) if k == "Pod"]

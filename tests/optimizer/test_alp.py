@@ -1,4 +1,4 @@
-"""optimizer.alp: eqs. 1-2 on M/M/1 profiles, overlap and tool stages, the vectorised batch,
+"""optimizer.model.alp: eqs. 1-2 on M/M/1 profiles, overlap and tool stages, the vectorised batch,
 and stages fanned out together."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer.alp import (
+from optimizer.model.alp import (
     POOLING_EXPONENT,
     ModelAlloc,
     Overlap,
@@ -21,15 +21,19 @@ from optimizer.alp import (
     predict,
     predict_many,
 )
-from optimizer.profiles import ProfileBook, ProfilePoint
-from optimizer.stats import summarise_store
+from optimizer.model.curves import ProfileBook
+from optimizer.stats.reader import summarise_store
+from shared.profile_points import ProfilePoint
 from tests.optimizer.conftest import Row, call
 from tests.optimizer.test_profiles import MU, mm1
 
 
 def _book() -> ProfileBook:
-    return ProfileBook(mm1("gen", mu=10.0) + mm1("gen", tp=2, mu=18.0, rates=(2, 6, 10, 14, 16, 17, 18, 20))
-                       + mm1("ver", mu=10.0))
+    return ProfileBook(
+        mm1("gen", mu=10.0)
+        + mm1("gen", tp=2, mu=18.0, rates=(2, 6, 10, 14, 16, 17, 18, 20))
+        + mm1("ver", mu=10.0)
+    )
 
 
 PIPE = Pipeline("beam", (Stage("gen", n=4.0, p=2.0), Stage("ver", n=2.0, p=1.0)))
@@ -85,12 +89,15 @@ def test_batch_agrees_with_single(pipe: Pipeline) -> None:
     book = _book()
     batch = predict_many(pipe, book, 2.0, replicas, tp, share)
     for i in range(0, c, 7):
-        alloc = {st.model: ModelAlloc(int(replicas[i, j]), int(tp[i, j]), float(share[i, j]))
-                 for j, st in enumerate(pipe.stages)}
+        alloc = {
+            st.model: ModelAlloc(int(replicas[i, j]), int(tp[i, j]), float(share[i, j]))
+            for j, st in enumerate(pipe.stages)
+        }
         one = predict(pipe, book, alloc, 2.0)
         assert batch.throughput[i] == pytest.approx(one.throughput)
         assert pipe.stages[int(batch.bottleneck[i])].model == one.bottleneck or (
-            batch.throughput[i] == pytest.approx(one.throughput))
+            batch.throughput[i] == pytest.approx(one.throughput)
+        )
         if np.isinf(one.latency):
             assert np.isinf(batch.latency[i])
         else:
@@ -104,7 +111,8 @@ def test_pooling_shrinks_the_excess_over_light_load_by_a_fraction_of_the_queue_r
     one, two = {"gen": ModelAlloc(replicas=1)}, {"gen": ModelAlloc(replicas=2)}
     # one replica: pooling changes nothing
     assert predict(pipe, book, one, 6.0).latency == pytest.approx(
-        predict(pipe, book, one, 6.0, pooling=False).latency)
+        predict(pipe, book, one, 6.0, pooling=False).latency
+    )
     pooled = predict(pipe, book, two, 12.0).stages[0]
     separate = predict(pipe, book, two, 12.0, pooling=False).stages[0]
     light = 1.0 / (MU - 1.0)  # the M/M/1 profile's lightest point (1 call/s)
@@ -112,7 +120,8 @@ def test_pooling_shrinks_the_excess_over_light_load_by_a_fraction_of_the_queue_r
     factor = pooling_factor(rho, 2)
     assert factor == pytest.approx(rho ** (6**0.5 - 2) / 2)
     assert pooled.call_latency == pytest.approx(
-        light + (separate.call_latency - light) * factor**POOLING_EXPONENT)
+        light + (separate.call_latency - light) * factor**POOLING_EXPONENT
+    )
     # far less than a shared FCFS queue would gain, and never below light load
     assert light + (separate.call_latency - light) * factor < pooled.call_latency
     assert pooled.call_latency < separate.call_latency
@@ -136,8 +145,10 @@ def test_calls_that_follow_their_prefix_do_not_pool() -> None:
 
 def test_a_flat_profile_does_not_pool() -> None:
     # A replica whose latency does not grow with its rate has nothing for peers to absorb.
-    points = [ProfilePoint("gen", "emulator", "H100", 1, 1.0, lam, lam, 0.5, 0.5, 0.9, 1.2,
-                           0.01, 1000) for lam in (1.0, 3.0, 5.0, 7.0, 9.0)]
+    points = [
+        ProfilePoint("gen", "emulator", "H100", 1, 1.0, lam, lam, 0.5, 0.5, 0.9, 1.2, 0.01, 1000)
+        for lam in (1.0, 3.0, 5.0, 7.0, 9.0)
+    ]
     book = ProfileBook(points)
     pipe = Pipeline("chat", (Stage("gen", n=1.0, p=1.0),))
     alloc = {"gen": ModelAlloc(replicas=3)}
@@ -151,22 +162,29 @@ def test_batch_shape_is_checked() -> None:
 
 def _flat(model: str, latency: float) -> list[ProfilePoint]:
     """A model whose calls take ``latency`` at light load (M/M/1 with mu = 100 / latency)."""
-    return [ProfilePoint(model, "emulator", "H100", 1, 1.0, r, r, latency, latency, latency,
-                         latency, 0.0, 100) for r in (0.01, 0.02)] + [
-        ProfilePoint(model, "emulator", "H100", 1, 1.0, 1000.0, 50.0, 9.0, 9.0, 9.0, 9.0, 0.0,
-                     100)]
+    return [
+        ProfilePoint(
+            model, "emulator", "H100", 1, 1.0, r, r, latency, latency, latency, latency, 0.0, 100
+        )
+        for r in (0.01, 0.02)
+    ] + [
+        ProfilePoint(model, "emulator", "H100", 1, 1.0, 1000.0, 50.0, 9.0, 9.0, 9.0, 9.0, 0.0, 100)
+    ]
 
 
 def test_stats_overlap_and_tool_time_reach_the_prediction(
-    write_store: Callable[[list[Row]], Path]
+    write_store: Callable[[list[Row]], Path],
 ) -> None:
     # Each request fans out to gen and ver at once (1 s each), then waits 2 s on a tool, then
     # calls gen again (1 s): the span is 4 s, not 1 + 1 + 1 (serial) and not without the tool.
     rows = []
     for i in range(5):
         t = i * 100.0
-        rows += [call("f", f"r{i}", "gen", t, t + 1), call("f", f"r{i}", "ver", t, t + 1),
-                 call("f", f"r{i}", "gen", t + 3, t + 4)]
+        rows += [
+            call("f", f"r{i}", "gen", t, t + 1),
+            call("f", f"r{i}", "ver", t, t + 1),
+            call("f", f"r{i}", "gen", t + 3, t + 4),
+        ]
     stats = summarise_store(write_store(rows))["f"]
     assert stats.latency_mean == pytest.approx(4.0)
     book = ProfileBook(_flat("gen", 1.0) + _flat("ver", 1.0))
@@ -182,15 +200,21 @@ def test_stats_overlap_and_tool_time_reach_the_prediction(
 # A slow stage (M/M/1, mu 1 call/s) and a fast one (mu 10) fanned out together; traced at 0.1
 # requests/s, where the fast stage's calls (1/9.9 s) lay wholly inside the slow one's (1/0.9 s).
 SLOW, FAST = 1 / 0.9, 1 / 9.9
-FAN_BOOK = ProfileBook(mm1("slow", mu=1.0, rates=(0.1, 0.3, 0.5, 0.7, 0.8, 0.9))
-                       + mm1("fast", mu=10.0, rates=(0.1, 0.2, 0.8, 1, 3, 5, 7, 9)))
+FAN_BOOK = ProfileBook(
+    mm1("slow", mu=1.0, rates=(0.1, 0.3, 0.5, 0.7, 0.8, 0.9))
+    + mm1("fast", mu=10.0, rates=(0.1, 0.2, 0.8, 1, 3, 5, 7, 9))
+)
 
 
 def _fan(together: float) -> Pipeline:
     traced = Overlap.traced("slow", "fast", together, SLOW, FAST)
     assert traced is not None
-    return Pipeline("fan", (Stage("slow", 1.0, 1.0), Stage("fast", 1.0, 1.0)),
-                    overlap=(SLOW + FAST - together) / (SLOW + FAST), overlaps=(traced,))
+    return Pipeline(
+        "fan",
+        (Stage("slow", 1.0, 1.0), Stage("fast", 1.0, 1.0)),
+        overlap=(SLOW + FAST - together) / (SLOW + FAST),
+        overlaps=(traced,),
+    )
 
 
 def test_a_hidden_stage_made_faster_does_not_shorten_the_request() -> None:
@@ -224,17 +248,28 @@ def test_overlap_is_exact_at_the_traced_load_and_bounded_elsewhere() -> None:
 
 
 def test_three_stages_at_once_are_never_shorter_than_the_longest() -> None:
-    pipe = Pipeline("three", tuple(Stage(m, 1.0, 1.0) for m in "abc"), overlaps=(
-        Overlap("a", "b", 2.0), Overlap("a", "c", 2.0), Overlap("b", "c", 2.0)))
+    pipe = Pipeline(
+        "three",
+        tuple(Stage(m, 1.0, 1.0) for m in "abc"),
+        overlaps=(Overlap("a", "b", 2.0), Overlap("a", "c", 2.0), Overlap("b", "c", 2.0)),
+    )
     path = critical_path(pipe, [[1.0, 1.0, 1.0], [4.0, 1.0, np.inf]])
     assert path[0] == pytest.approx(1.0)  # 3 - 3 x min(2 x 1/2, 1) = 0 -> the longest, 1
     assert np.isinf(path[1])
 
 
 def test_from_figures_drops_pairs_it_cannot_use() -> None:
-    pipe = Pipeline.from_figures("w", {"a": (1.0, 1.0), "b": (1.0, 1.0)}, overlaps=[
-        Overlap("a", "b", 1.1), Overlap("a", "z", 1.0), Overlap("a", "a", 1.0),
-        Overlap("b", "a", float("nan")), Overlap("b", "a", 0.0)])
+    pipe = Pipeline.from_figures(
+        "w",
+        {"a": (1.0, 1.0), "b": (1.0, 1.0)},
+        overlaps=[
+            Overlap("a", "b", 1.1),
+            Overlap("a", "z", 1.0),
+            Overlap("a", "a", 1.0),
+            Overlap("b", "a", float("nan")),
+            Overlap("b", "a", 0.0),
+        ],
+    )
     assert pipe.overlaps == (Overlap("a", "b", 1.1),)
     assert Overlap.traced("a", "b", 0.0, 1.0, 1.0) is None
     assert Overlap.traced("a", "b", 0.5, 1.0, 1.0) == Overlap("a", "b", 1.0)

@@ -8,14 +8,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from optimizer.cli import UsageError, main, parse_duration_s
+from optimizer.cli.main import UsageError, main, parse_duration_s
 from tests.optimizer.conftest import Row, call
 
 
 def _rows() -> list[Row]:
     return [
-        call("rag", "r1", "embed", 0, 1), call("rag", "r1", "gen", 1, 3),
-        call("rag", "r2", "embed", 10, 11), call("rag", "r2", "gen", 11, 15),
+        call("rag", "r1", "embed", 0, 1),
+        call("rag", "r1", "gen", 1, 3),
+        call("rag", "r2", "embed", 10, 11),
+        call("rag", "r2", "gen", 11, 15),
         call("rag", None, "gen", 12, 13),
     ]
 
@@ -58,8 +60,14 @@ def test_stats_report_models_that_run_at_once(
     write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     # a fan-out: gen [0,4] beside ver [1,3] (2 s together), then gen alone
-    store = write_store([call("fan", "f1", "gen", 0, 4), call("fan", "f1", "ver", 1, 3),
-                         call("fan", "f1", "gen", 5, 6), *_rows()])
+    store = write_store(
+        [
+            call("fan", "f1", "gen", 0, 4),
+            call("fan", "f1", "ver", 1, 3),
+            call("fan", "f1", "gen", 5, 6),
+            *_rows(),
+        ]
+    )
     assert main(["stats", "--store", str(store), "--window", "all", "--json"]) == 0
     doc = orjson.loads(capsys.readouterr().out)["workflows"]
     assert doc["fan"]["overlaps"] == [{"models": ["gen", "ver"], "together_s": 2.0}]

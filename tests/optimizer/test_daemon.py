@@ -18,12 +18,13 @@ import aiohttp
 import pytest
 import yaml
 
-from optimizer.daemon import Daemon, make_app
-from optimizer.decision_log import load_decisions
-from optimizer.plan import GroupSpec, Observed, Route, RunningReplica
-from optimizer.profiles import ProfilePoint, save_points
-from optimizer.run_cmd import serve
+from optimizer.cli.run import serve
+from optimizer.daemon.service import Daemon, make_app
+from optimizer.plan.planner import GroupSpec, Observed, Route, RunningReplica
+from optimizer.store.decisions import load_decisions
+from optimizer.store.profiles import save_points
 from shared import metric_names
+from shared.profile_points import ProfilePoint
 from shared.records import COLUMN_NAMES
 from shared.settings import Settings, settings_from_mapping
 from shared.store import SegmentWriter
@@ -35,12 +36,11 @@ from tests.optimizer.conftest import call
 T0 = DEFAULT_T0_US / 1e6
 RAG_MODELS = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
 # Synthetic full-GPU profiles: light-load latency (s) and saturation (calls/s) per model.
-CURVES = {"e5-base-v2": (0.01, 200.0), "bge-reranker-base": (0.05, 60.0),
-          "llama-3-8b": (1.0, 6.0)}
+CURVES = {"e5-base-v2": (0.01, 200.0), "bge-reranker-base": (0.05, 60.0), "llama-3-8b": (1.0, 6.0)}
 
 
 class FakeBackend:
-    """An in-memory :class:`optimizer.backend.Backend`: started replicas are ready at once."""
+    """An in-memory :class:`optimizer.rollout.backend.Backend`: started replicas are ready at once."""
 
     def __init__(self) -> None:
         self.replicas: dict[str, RunningReplica] = {}
@@ -59,9 +59,22 @@ class FakeBackend:
     async def start(self, group: GroupSpec) -> None:
         self.started.append(group.id)
         for r in group.replicas:
-            self.replicas.setdefault(r.id, RunningReplica(
-                r.id, group.id, r.spec.model, group.node, r.spec.gpus, r.spec.share, r.spec.tp,
-                f"http://fake/{r.id}", True, r.spec.memory_bytes_per_gpu, r.spec.revision))
+            self.replicas.setdefault(
+                r.id,
+                RunningReplica(
+                    r.id,
+                    group.id,
+                    r.spec.model,
+                    group.node,
+                    r.spec.gpus,
+                    r.spec.share,
+                    r.spec.tp,
+                    f"http://fake/{r.id}",
+                    True,
+                    r.spec.memory_bytes_per_gpu,
+                    r.spec.revision,
+                ),
+            )
 
     async def wait_ready(self, group: GroupSpec) -> None:
         return None
@@ -85,11 +98,22 @@ def _settings_doc(store: Path, **optimizer: Any) -> dict[str, Any]:
     return {
         "store": {"path": str(store)},
         "cluster": {"nodes": [{"name": "n0", "gpu_type": "a6000", "gpus": 2}]},
-        "rollout": {"backend": "local", "models": [{"name": m} for m in RAG_MODELS],
-                    "local": {"state_dir": str(store / "local")}},
-        "optimizer": {"interval_s": 20, "window_s": 40, "settle_s": 3, "windows_to_confirm": 2,
-                      "cooldown_s": 60, "min_requests": 10, "granularity": 2,
-                      "listen": "127.0.0.1:0", **optimizer},
+        "rollout": {
+            "backend": "local",
+            "models": [{"name": m} for m in RAG_MODELS],
+            "local": {"state_dir": str(store / "local")},
+        },
+        "optimizer": {
+            "interval_s": 20,
+            "window_s": 40,
+            "settle_s": 3,
+            "windows_to_confirm": 2,
+            "cooldown_s": 60,
+            "min_requests": 10,
+            "granularity": 2,
+            "listen": "127.0.0.1:0",
+            **optimizer,
+        },
     }
 
 
@@ -98,28 +122,63 @@ def _profiles(store: Path) -> None:
     for model, (light, sat) in CURVES.items():
         for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
             lat = light / (1.0 - 0.8 * frac)
-            points.append(ProfilePoint(model, "emulator", "a6000", 1, 1.0, frac * sat,
-                                       frac * sat, lat, lat, 1.3 * lat, 1.6 * lat, 0.2 * lat, 500))
-        points.append(ProfilePoint(model, "emulator", "a6000", 1, 1.0, 1.3 * sat, sat,
-                                   10 * light, 10 * light, 12 * light, 15 * light, light, 500))
+            points.append(
+                ProfilePoint(
+                    model,
+                    "emulator",
+                    "a6000",
+                    1,
+                    1.0,
+                    frac * sat,
+                    frac * sat,
+                    lat,
+                    lat,
+                    1.3 * lat,
+                    1.6 * lat,
+                    0.2 * lat,
+                    500,
+                )
+            )
+        points.append(
+            ProfilePoint(
+                model,
+                "emulator",
+                "a6000",
+                1,
+                1.0,
+                1.3 * sat,
+                sat,
+                10 * light,
+                10 * light,
+                12 * light,
+                15 * light,
+                light,
+                500,
+            )
+        )
     save_points(store, points)
 
 
 def _trace(store: Path, phases: Sequence[tuple[float, float]]) -> None:
     """RAG traffic at ``rate`` for ``seconds``, phase after phase (simulated)."""
-    alloc = Allocation.of(("e5-base-v2", "a6000", 1, 1.0, 1),
-                          ("bge-reranker-base", "a6000", 1, 1.0, 1),
-                          ("llama-3-8b", "a6000", 1, 1.0, 3))
+    alloc = Allocation.of(
+        ("e5-base-v2", "a6000", 1, 1.0, 1),
+        ("bge-reranker-base", "a6000", 1, 1.0, 1),
+        ("llama-3-8b", "a6000", 1, 1.0, 3),
+    )
     t0 = DEFAULT_T0_US
     for k, (rate, seconds) in enumerate(phases):
-        res = simulate(alloc, [WorkloadSpec("rag", rate)], duration_s=seconds, seed=k,
-                       record_calls=True)
+        res = simulate(
+            alloc, [WorkloadSpec("rag", rate)], duration_s=seconds, seed=k, record_calls=True
+        )
         if k == 0:
             write_trace(res, store, t0_us=t0, bodies=False)
         else:  # request ids restart at rag-0 in every run: keep them apart
             rid = COLUMN_NAMES.index("request_id")
-            rows = [(*r[:rid], f"p{k}-{r[rid]}", *r[rid + 1:])
-                    for r in call_rows(res, t0_us=t0, bodies=False)]
+            rows = [
+                (*r[:rid], f"p{k}-{r[rid]}", *r[rid + 1 :])
+                for r in call_rows(res, t0_us=t0, bodies=False)
+            ]
             writer = SegmentWriter(store, f"phase{k}")
             try:
                 writer.write(rows)
@@ -144,7 +203,8 @@ async def _run(daemon: Daemon, clock: FakeClock, until: float) -> None:
 
 @pytest.mark.slow  # eleven passes (DuckDB statistics each) over two simulated phases: ~5 s
 async def test_a_held_shift_is_planned_once_and_every_pass_is_a_decision_row(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     _profiles(tmp_path)
     _trace(tmp_path, [(1.0, 120.0), (3.0, 120.0)])
     backend = FakeBackend()
@@ -206,18 +266,27 @@ async def test_a_model_a_quiet_workflow_still_calls_is_never_dropped(tmp_path: P
     # "side" calls llama-3.2-1b twice in the window: too few requests to plan for.
     writer = SegmentWriter(tmp_path, "side")
     try:
-        writer.write([call("side", f"s{k}", "llama-3.2-1b", T0 + 80.0 + k, T0 + 81.0 + k)
-                      for k in range(2)])
+        writer.write(
+            [call("side", f"s{k}", "llama-3.2-1b", T0 + 80.0 + k, T0 + 81.0 + k) for k in range(2)]
+        )
     finally:
         writer.close()
     backend = FakeBackend()
-    side = RunningReplica("side-0", "gside", "llama-3.2-1b", "n0", (1,), 0.5, 1,
-                          "http://fake/side-0", True)
+    side = RunningReplica(
+        "side-0", "gside", "llama-3.2-1b", "n0", (1,), 0.5, 1, "http://fake/side-0", True
+    )
     backend.replicas[side.id] = side
     backend.routes = (Route(side.model, side.url),)
-    settings = settings_from_mapping({**_settings_doc(tmp_path), "rollout": {
-        "backend": "local", "models": [{"name": m} for m in (*RAG_MODELS, "llama-3.2-1b")],
-        "local": {"state_dir": str(tmp_path / "local")}}})
+    settings = settings_from_mapping(
+        {
+            **_settings_doc(tmp_path),
+            "rollout": {
+                "backend": "local",
+                "models": [{"name": m} for m in (*RAG_MODELS, "llama-3.2-1b")],
+                "local": {"state_dir": str(tmp_path / "local")},
+            },
+        }
+    )
     report = await Daemon(settings, backend, clock=FakeClock(T0 + 100)).tick()
     assert report.decision.kind == "error"
     assert "stop serving llama-3.2-1b" in report.decision.reasons[-1]
@@ -259,14 +328,14 @@ async def test_metrics_export_every_optimizer_name_and_health_answers(tmp_path: 
 
 
 async def test_stop_ends_the_service_within_seconds_and_leaves_engines_running(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     _profiles(tmp_path)
     _trace(tmp_path, [(1.0, 120.0)])
     backend = FakeBackend()
     settings = _settings(tmp_path, interval_s=0.2)
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(settings, backend, "127.0.0.1:0", stop,
-                                     handle_signals=False))
+    task = asyncio.create_task(serve(settings, backend, "127.0.0.1:0", stop, handle_signals=False))
     await asyncio.wait_for(backend.passes.wait(), 10)
     stop.set()
     t0 = time.monotonic()
@@ -278,15 +347,23 @@ async def test_stop_ends_the_service_within_seconds_and_leaves_engines_running(
 
 def test_sigterm_stops_scepsy_run_within_seconds(tmp_path: Path) -> None:
     config = tmp_path / "settings.yaml"
-    config.write_text(yaml.safe_dump({
-        "store": {"path": str(tmp_path / "store")},
-        "cluster": {"nodes": [{"name": "n0", "gpu_type": "a6000", "gpus": 1}]},
-        "rollout": {"local": {"state_dir": str(tmp_path / "local")}},
-        "optimizer": {"interval_s": 0.5, "window_s": 10, "listen": "127.0.0.1:0"},
-    }))
-    proc = subprocess.Popen([sys.executable, "-m", "optimizer.cli", "run", "--config",
-                             str(config)], stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).parents[2], start_new_session=True)
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "store": {"path": str(tmp_path / "store")},
+                "cluster": {"nodes": [{"name": "n0", "gpu_type": "a6000", "gpus": 1}]},
+                "rollout": {"local": {"state_dir": str(tmp_path / "local")}},
+                "optimizer": {"interval_s": 0.5, "window_s": 10, "listen": "127.0.0.1:0"},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimizer.cli", "run", "--config", str(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        start_new_session=True,
+    )
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()

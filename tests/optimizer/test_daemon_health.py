@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from optimizer.daemon import Daemon, make_app
+from optimizer.daemon.service import Daemon, make_app
 from shared.store import segment_dir
 from tests.optimizer.test_daemon import T0, FakeBackend, FakeClock, _profiles, _settings, _trace
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.daemon import Daemon
+from optimizer.daemon.service import Daemon
 from tests.optimizer.test_daemon import T0, FakeBackend, FakeClock, _settings, _trace
 
 
@@ -19,7 +19,7 @@ def _decisions(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 async def test_each_pass_logs_its_decision(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="optimizer.daemon")
+    caplog.set_level(logging.INFO, logger="optimizer.daemon.service")
     daemon = Daemon(_settings(tmp_path), FakeBackend(), clock=FakeClock(T0))
     await daemon.tick()
     await daemon.tick()
@@ -34,7 +34,7 @@ async def test_each_pass_logs_its_decision(
 async def test_an_error_decision_is_a_warning_with_its_reason(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="optimizer.daemon")
+    caplog.set_level(logging.INFO, logger="optimizer.daemon.service")
     _trace(tmp_path, [(1.0, 120.0)])  # traffic, but no profiles: the pass cannot plan
     await Daemon(_settings(tmp_path), FakeBackend(), clock=FakeClock(T0 + 100)).tick()
     [line] = _decisions(caplog)

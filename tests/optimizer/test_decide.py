@@ -10,7 +10,7 @@ from types import MappingProxyType
 import numpy as np
 import pytest
 
-from optimizer.decide import (
+from optimizer.control.decide import (
     Decision,
     DetectorState,
     ModelObs,
@@ -25,16 +25,25 @@ from optimizer.decide import (
 )
 from shared.optimizer_settings import OptimizerSettings
 
-CFG = OptimizerSettings(interval_s=60, window_s=120, windows_to_confirm=3,
-                        rate_change_threshold=0.3, cooldown_s=300, min_requests=5,
-                        min_gain=0.1, horizon_s=1800, cold_start_s=90)
+CFG = OptimizerSettings(
+    interval_s=60,
+    window_s=120,
+    windows_to_confirm=3,
+    rate_change_threshold=0.3,
+    cooldown_s=300,
+    min_requests=5,
+    min_gain=0.1,
+    horizon_s=1800,
+    cold_start_s=90,
+)
 MU = 1.0  # requests/s one toy replica serves
 BASE_LATENCY = 2.0  # s, at light load
 
 
 def _obs(rate: float, requests: int, latency: float = 2.0, prompt: float = 100.0) -> WorkflowObs:
-    return WorkflowObs("rag", rate, requests, latency,
-                       MappingProxyType({"gen": ModelObs(1.0, 1.0, prompt, 30.0)}))
+    return WorkflowObs(
+        "rag", rate, requests, latency, MappingProxyType({"gen": ModelObs(1.0, 1.0, prompt, 30.0)})
+    )
 
 
 def _toy_latency(rate: float, replicas: int) -> float:
@@ -66,10 +75,15 @@ class Loop:
         if det.act:
             want = _best_replicas(rate)
             proposal = Proposal(
-                (Outlook("rag", rate, _toy_latency(rate, self.replicas),
-                         _toy_latency(rate, want)),),
-                feasible=True, moved_fraction=abs(want - self.replicas) / want,
-                same=want == self.replicas)
+                (
+                    Outlook(
+                        "rag", rate, _toy_latency(rate, self.replicas), _toy_latency(rate, want)
+                    ),
+                ),
+                feasible=True,
+                moved_fraction=abs(want - self.replicas) / want,
+                same=want == self.replicas,
+            )
         decision, new_state = judge(self.state, det, proposal, self.cfg)
         if decision.taken:
             assert proposal is not None
@@ -95,10 +109,11 @@ class Loop:
 
 def _poisson(rng: np.random.Generator, pieces: list[tuple[float, float, float]]) -> np.ndarray:
     """Arrival times of a piecewise-constant Poisson process: (start, end, rate) pieces."""
-    out = [start + np.cumsum(rng.exponential(1.0 / rate, size=int(rate * (end - start) * 2)
-                                             + 50)) for start, end, rate in pieces]
-    return np.sort(np.concatenate([a[a < end] for a, (_, end, _) in zip(out, pieces,
-                                                                        strict=True)]))
+    out = [
+        start + np.cumsum(rng.exponential(1.0 / rate, size=int(rate * (end - start) * 2) + 50))
+        for start, end, rate in pieces
+    ]
+    return np.sort(np.concatenate([a[a < end] for a, (_, end, _) in zip(out, pieces, strict=True)]))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -159,15 +174,15 @@ def test_the_cooldown_delays_a_second_shift_then_it_is_rolled_out() -> None:
         d = loop.tick(t, 6.0, 600)
         assert not d.taken
         t += 60
-    assert any(d.kind == "hold_cooldown" and "cooldown" in d.reasons[-1]
-               for d in loop.decisions)
+    assert any(d.kind == "hold_cooldown" and "cooldown" in d.reasons[-1] for d in loop.decisions)
     d = loop.tick(t, 6.0, 600)
     assert d.taken and d.changes[0].kind == "rate_shift" and d.changes[0].relative == 1.0
     assert len(loop.rollouts) == 3
 
 
-def _det_and_proposal(current: float, proposed: float, moved: float
-                      ) -> tuple[DetectorState, Decision]:
+def _det_and_proposal(
+    current: float, proposed: float, moved: float
+) -> tuple[DetectorState, Decision]:
     base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
     state = DetectorState(baseline=base)
     snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)}))
@@ -190,10 +205,14 @@ def test_a_gain_below_min_gain_or_not_paying_for_the_move_is_held() -> None:
     cfg_short = replace(CFG, horizon_s=60)
     base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
     state = DetectorState(baseline=base)
-    det = detect(state, Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)})),
-                 replace(cfg_short, windows_to_confirm=1))
-    held, new = judge(state, det, Proposal((Outlook("rag", 2.0, 2.0, 1.6),), True, 1.0, False),
-                      cfg_short)
+    det = detect(
+        state,
+        Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)})),
+        replace(cfg_short, windows_to_confirm=1),
+    )
+    held, new = judge(
+        state, det, Proposal((Outlook("rag", 2.0, 2.0, 1.6),), True, 1.0, False), cfg_short
+    )
     assert held.kind == "hold_gain" and "costs more" in held.reasons[-1]
     # Held: the running allocation was judged for this traffic, so no re-search next window.
     assert new.baseline is det.snapshot and not new.streaks
@@ -208,8 +227,12 @@ def test_new_workflows_and_models_act_at_once_token_and_latency_drift_need_confi
     cfg = replace(CFG, windows_to_confirm=2)
     state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
     beam = WorkflowObs("beam", 0.5, 50, 8.0, MappingProxyType({"gen": ModelObs(4, 2, 80, 60)}))
-    rag2 = replace(_obs(1.0, 100), models=MappingProxyType(
-        {"gen": ModelObs(1.0, 1.0, 100, 30), "rerank": ModelObs(1, 1, 50, 0)}))
+    rag2 = replace(
+        _obs(1.0, 100),
+        models=MappingProxyType(
+            {"gen": ModelObs(1.0, 1.0, 100, 30), "rerank": ModelObs(1, 1, 50, 0)}
+        ),
+    )
     det = detect(state, Snapshot(60, 120, MappingProxyType({"rag": rag2, "beam": beam})), cfg)
     assert sorted(c.kind for c in det.changes) == ["new_model", "new_workflow"]
     # Prompts doubled, latency 3x the prediction: pending for one window, confirmed on the next.
@@ -217,13 +240,17 @@ def test_new_workflows_and_models_act_at_once_token_and_latency_drift_need_confi
     snap = Snapshot(60, 120, MappingProxyType({"rag": drift}))
     first = detect(state, snap, cfg, predicted_now={"rag": 2.0})
     assert not first.act and {c.kind for c in first.pending} == {"token_drift", "latency_drift"}
-    second = detect(replace(state, streaks=first.streaks), replace(snap, t=120), cfg,
-                    predicted_now={"rag": 2.0})
+    second = detect(
+        replace(state, streaks=first.streaks), replace(snap, t=120), cfg, predicted_now={"rag": 2.0}
+    )
     assert {c.kind for c in second.changes} == {"token_drift", "latency_drift"}
     # Latency is not judged on a window that overlaps the last rollout.
     recent = replace(state, last_rollout_end=50.0)
-    assert not [c for c in detect(recent, snap, cfg, predicted_now={"rag": 2.0}).pending
-                if c.kind == "latency_drift"]
+    assert not [
+        c
+        for c in detect(recent, snap, cfg, predicted_now={"rag": 2.0}).pending
+        if c.kind == "latency_drift"
+    ]
 
 
 def test_failures_and_failed_rollouts_keep_the_change_for_a_retry() -> None:
@@ -254,8 +281,9 @@ def test_a_workflow_whose_requests_all_still_run_is_not_gone() -> None:
     state = DetectorState(baseline=Snapshot(0.0, 120.0, MappingProxyType({"rag": _obs(10.0, 900)})))
     for k in range(5):
         running = WorkflowObs("rag", 10.2, 0, math.nan, MappingProxyType({}))
-        det = detect(state, Snapshot(60.0 * (k + 1), 120.0, MappingProxyType({"rag": running})),
-                     CFG)
+        det = detect(
+            state, Snapshot(60.0 * (k + 1), 120.0, MappingProxyType({"rag": running})), CFG
+        )
         assert not det.changes and not det.pending
         _, state = judge(state, det, None, CFG)
 
@@ -267,14 +295,16 @@ def test_a_baseline_judged_on_an_all_running_window_keeps_its_models() -> None:
     state = DetectorState(baseline=Snapshot(0.0, 120.0, MappingProxyType({"rag": _obs(10.0, 900)})))
     running = WorkflowObs("rag", 30.0, 0, math.nan, MappingProxyType({}))
     beam = replace(_obs(1.0, 60), workflow="beam")
-    det = detect(state, Snapshot(60.0, 120.0, MappingProxyType({"rag": running, "beam": beam})),
-                 CFG)
+    det = detect(
+        state, Snapshot(60.0, 120.0, MappingProxyType({"rag": running, "beam": beam})), CFG
+    )
     assert [c.kind for c in det.changes] == ["new_workflow"]
     outlook = (Outlook("rag", 30.0, 5.0, 5.0), Outlook("beam", 1.0, 5.0, 5.0))
     decision, state = judge(state, det, Proposal(outlook, True, 0.0, True), CFG)
     assert decision.kind == "unchanged" and state.baseline is not None
     rag = state.baseline.workflows["rag"]
     assert rag.rate == 30.0 and rag.requests == 900 and set(rag.models) == {"gen"}
-    back = detect(state, Snapshot(120.0, 120.0, MappingProxyType(
-        {"rag": _obs(30.0, 900), "beam": beam})), CFG)
+    back = detect(
+        state, Snapshot(120.0, 120.0, MappingProxyType({"rag": _obs(30.0, 900), "beam": beam})), CFG
+    )
     assert not back.changes and not back.pending

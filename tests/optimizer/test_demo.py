@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from optimizer import demo
-from optimizer.demo import DemoError, _check_load_driver, _watch
-from optimizer.demo_report import problems
+from optimizer.demo import run as demo
+from optimizer.demo.report import problems
+from optimizer.demo.run import DemoError, _check_load_driver, _watch
 
 ROOT = Path(__file__).parents[2]
 

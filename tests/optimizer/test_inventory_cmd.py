@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from optimizer.cli import main
-from optimizer.inventory_cmd import run
+from optimizer.cli.inventory import run
+from optimizer.cli.main import main
 from shared.cluster import ClusterSettings, cluster_from_settings
 from shared.settings_schema import decode
 from tests.shared.test_inventory import A6000, FakeNvml, FakeNvmlError, pairs

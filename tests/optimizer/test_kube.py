@@ -12,12 +12,12 @@ import orjson
 import pytest
 import yaml
 
-from optimizer import cli
-from optimizer.backend import RolloutError, converge, execute
-from optimizer.kube import KubeBackend
-from optimizer.kube_render import render_target
-from optimizer.plan import GroupSpec, Observed, make_plan
-from optimizer.render_cmd import target_for
+from optimizer.cli import main as cli
+from optimizer.cli.render import target_for
+from optimizer.plan.planner import GroupSpec, Observed, make_plan
+from optimizer.rollout.backend import RolloutError, converge, execute
+from optimizer.rollout.kube.backend import KubeBackend
+from optimizer.rollout.kube.render import render_target
 from shared.cluster import GB, Cluster, cluster_from_settings
 from shared.rollout_settings import RolloutSettings
 from shared.settings import load_settings

@@ -18,9 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from optimizer.backend import RolloutError, StepResult, converge
-from optimizer.local_backend import LocalBackend
-from optimizer.local_engines import (
+from optimizer.plan.planner import GroupSpec, ReplicaSpec, Route, group_specs
+from optimizer.rollout.backend import RolloutError, StepResult, converge
+from optimizer.rollout.local.backend import LocalBackend
+from optimizer.rollout.local.engines import (
     GroupRecord,
     ProcRecord,
     alive,
@@ -28,7 +29,6 @@ from optimizer.local_engines import (
     launches,
     spawn,
 )
-from optimizer.plan import GroupSpec, ReplicaSpec, Route, group_specs
 from shared.cluster import GB, Cluster
 from shared.rollout_settings import RolloutSettings
 from shared.settings import settings_from_mapping
@@ -40,23 +40,37 @@ TOKEN = "admin-secret"
 CLUSTER = Cluster.uniform(1, 4, 2, "a6000", 48 * GB)
 
 
-def rollout_settings(state: Path, proxies: list[str], *, speedup: float = 100.0,
-                     drain_s: float = 3.0, **local: Any) -> RolloutSettings:
+def rollout_settings(
+    state: Path, proxies: list[str], *, speedup: float = 100.0, drain_s: float = 3.0, **local: Any
+) -> RolloutSettings:
     fast = ["--speedup", str(speedup)]
-    return decode(RolloutSettings, {
-        "drain_s": drain_s,
-        "models": [{"name": E5, "extra_args": fast}, {"name": LLAMA, "extra_args": fast}],
-        "local": {"state_dir": str(state), "proxies": proxies, "admin_token": TOKEN,
-                  "ready_timeout_s": 30.0, "stop_grace_s": 3.0, "poll_interval_s": 0.05,
-                  "request_timeout_s": 10.0, **local},
-    })
+    return decode(
+        RolloutSettings,
+        {
+            "drain_s": drain_s,
+            "models": [{"name": E5, "extra_args": fast}, {"name": LLAMA, "extra_args": fast}],
+            "local": {
+                "state_dir": str(state),
+                "proxies": proxies,
+                "admin_token": TOKEN,
+                "ready_timeout_s": 30.0,
+                "stop_grace_s": 3.0,
+                "poll_interval_s": 0.05,
+                "request_timeout_s": 10.0,
+                **local,
+            },
+        },
+    )
 
 
-def target(rollout: RolloutSettings, *replicas: tuple[str, tuple[int, ...], float]
-           ) -> tuple[GroupSpec, ...]:
+def target(
+    rollout: RolloutSettings, *replicas: tuple[str, tuple[int, ...], float]
+) -> tuple[GroupSpec, ...]:
     revisions = rollout.revisions()
-    return group_specs(ReplicaSpec(m, "node-0", gpus, share, round(share * 20 * GB),
-                                   revisions.get(m, "")) for m, gpus, share in replicas)
+    return group_specs(
+        ReplicaSpec(m, "node-0", gpus, share, round(share * 20 * GB), revisions.get(m, ""))
+        for m, gpus, share in replicas
+    )
 
 
 def before(r: RolloutSettings) -> tuple[GroupSpec, ...]:
@@ -88,10 +102,14 @@ def state(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 async def proxy(tmp_path: Path) -> AsyncIterator[ProxyHandle]:
-    handle = await start_proxy(settings_from_mapping({
-        "proxy": {"listen": "127.0.0.1:0", "proxy_id": "p", "admin_token": TOKEN},
-        "store": {"path": str(tmp_path / "store"), "flush_interval_s": 60.0},
-    }))
+    handle = await start_proxy(
+        settings_from_mapping(
+            {
+                "proxy": {"listen": "127.0.0.1:0", "proxy_id": "p", "admin_token": TOKEN},
+                "store": {"path": str(tmp_path / "store"), "flush_interval_s": 60.0},
+            }
+        )
+    )
     try:
         yield handle
     finally:
@@ -113,14 +131,21 @@ async def backend(rollout: RolloutSettings) -> AsyncIterator[LocalBackend]:
 
 
 def routed(proxy: ProxyHandle) -> set[tuple[str, str]]:
-    return {(u["model"], u["url"]) for u in proxy.router.snapshot()["upstreams"]
-            if u["state"] != "draining"}
+    return {
+        (u["model"], u["url"])
+        for u in proxy.router.snapshot()["upstreams"]
+        if u["state"] != "draining"
+    }
 
 
 def expected_routes(b: LocalBackend, groups: tuple[GroupSpec, ...]) -> set[tuple[str, str]]:
     records = b.state.load()
-    return {(r.spec.model, proc.url) for g in groups for r in g.replicas
-            if (proc := records[g.id].engine(r.id)) is not None}
+    return {
+        (r.spec.model, proc.url)
+        for g in groups
+        for r in g.replicas
+        if (proc := records[g.id].engine(r.id)) is not None
+    }
 
 
 def check_no_duplicates(b: LocalBackend, groups: tuple[GroupSpec, ...]) -> None:
@@ -150,9 +175,15 @@ async def call(session: aiohttp.ClientSession, proxy: ProxyHandle, model: str) -
 
 
 def test_launches_of_vllm_engines_sharing_a_gpu() -> None:
-    r = decode(RolloutSettings, {"models": [
-        {"name": LLAMA, "engine": "vllm", "source": "meta-llama/Llama-3.2-1B-Instruct"},
-        {"name": E5}]})
+    r = decode(
+        RolloutSettings,
+        {
+            "models": [
+                {"name": LLAMA, "engine": "vllm", "source": "meta-llama/Llama-3.2-1B-Instruct"},
+                {"name": E5},
+            ]
+        },
+    )
     group, emulated = target(r, (LLAMA, (1,), 0.5), (LLAMA, (1,), 0.25), (E5, (2, 3), 1.0))
     ports = {rep.id: 9000 + k for k, rep in enumerate((*group.replicas, *emulated.replicas))}
     mps, first, second = launches(group, r, CLUSTER, ports, Path("/s"))
@@ -302,8 +333,15 @@ async def test_engine_spawned_before_its_pid_was_recorded_is_adopted(
     (replica,) = group.replicas
     port = backend._pick_port(set())
     (launch,) = launches(group, rollout, CLUSTER, {replica.id: port}, backend.state.path)
-    pending = ProcRecord("engine", replica.id, E5, port, f"http://127.0.0.1:{port}", "t0k3n",
-                         str(backend.state.logs / "orphan.log"))
+    pending = ProcRecord(
+        "engine",
+        replica.id,
+        E5,
+        port,
+        f"http://127.0.0.1:{port}",
+        "t0k3n",
+        str(backend.state.logs / "orphan.log"),
+    )
     backend.state.save(GroupRecord(group, (pending,)))
     spawn(launch, pending, backend.state.path)
     plan, _ = await converge(LocalBackend(rollout, CLUSTER), (group,))
@@ -338,9 +376,7 @@ async def test_a_dead_engine_is_forgotten_unrouted_and_restarted_alone(
     assert routed(proxy) == expected_routes(backend, groups)
 
 
-async def test_a_proxy_that_is_down_is_reported_not_fatal(
-    state: Path, proxy: ProxyHandle
-) -> None:
+async def test_a_proxy_that_is_down_is_reported_not_fatal(state: Path, proxy: ProxyHandle) -> None:
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
     rollout = rollout_settings(state, [dead, proxy.url], push_attempts=2)
     b = LocalBackend(rollout, CLUSTER)
@@ -368,10 +404,12 @@ async def test_a_wrong_admin_token_is_an_error(state: Path, proxy: ProxyHandle) 
 async def test_the_admin_token_defaults_to_the_proxy_section(
     state: Path, proxy: ProxyHandle
 ) -> None:
-    settings = settings_from_mapping({
-        "proxy": {"admin_token": TOKEN},
-        "rollout": {"local": {"state_dir": str(state), "proxies": [proxy.url]}},
-    })
+    settings = settings_from_mapping(
+        {
+            "proxy": {"admin_token": TOKEN},
+            "rollout": {"local": {"state_dir": str(state), "proxies": [proxy.url]}},
+        }
+    )
     b = LocalBackend.from_settings(settings, CLUSTER)
     try:
         await b.push_routes([Route(E5, "http://127.0.0.1:9")])
@@ -390,9 +428,14 @@ async def test_a_drain_lasts_until_the_calls_in_flight_finish(
         groups = target(rollout, (LLAMA, (0,), 1.0))
         await converge(b, groups)
         (replica,) = (await b.observe()).replicas
-        body = {"model": LLAMA, "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 120, "ignore_eos": True}  # about a second at real speed
+        body = {
+            "model": LLAMA,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 120,
+            "ignore_eos": True,
+        }  # about a second at real speed
         async with aiohttp.ClientSession() as s:
+
             async def long_call() -> int:
                 async with s.post(proxy.url + "/v1/chat/completions", json=body) as resp:
                     await resp.read()
@@ -448,9 +491,13 @@ async def test_an_engine_that_lost_its_port_is_relaunched_on_another(
 
 
 async def test_an_engine_that_fails_to_start_is_reported_with_its_log(state: Path) -> None:
-    rollout = decode(RolloutSettings, {
-        "models": [{"name": "bogus", "source": "no-such-model"}],
-        "local": {"state_dir": str(state), "ready_timeout_s": 30.0, "poll_interval_s": 0.05}})
+    rollout = decode(
+        RolloutSettings,
+        {
+            "models": [{"name": "bogus", "source": "no-such-model"}],
+            "local": {"state_dir": str(state), "ready_timeout_s": 30.0, "poll_interval_s": 0.05},
+        },
+    )
     b = LocalBackend(rollout, CLUSTER)
     try:
         (group,) = target(rollout, ("bogus", (0,), 1.0))

@@ -1,11 +1,11 @@
-"""optimizer.modality: Otsu split and the bimodality criterion."""
+"""optimizer.stats.modality: Otsu split and the bimodality criterion."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from optimizer.modality import bimodal_split, otsu_split
+from optimizer.stats.modality import bimodal_split, otsu_split
 
 
 def test_otsu_on_two_points() -> None:

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optimizer.placement import PlacementError, ReplicaDemand, place
-from optimizer.plan import (
+from optimizer.plan.check import dry_run
+from optimizer.plan.planner import (
     GroupSpec,
     Observed,
     Plan,
@@ -21,7 +22,6 @@ from optimizer.plan import (
     make_plan,
     target_from_placement,
 )
-from optimizer.plan_check import dry_run
 from shared.cluster import GB, Cluster
 
 G = 1_000_000_000
@@ -33,9 +33,22 @@ def spec(model: str, gpus: Sequence[int], share: float = 1.0, node: str = "n0") 
 
 def running(groups: Sequence[GroupSpec], *, ready: bool = True, routed: bool = True) -> Observed:
     replicas = tuple(
-        RunningReplica(r.id, g.id, r.spec.model, g.node, r.spec.gpus, r.spec.share, r.spec.tp,
-                       f"http://{r.id}:8000", ready, r.spec.memory_bytes_per_gpu, r.spec.revision)
-        for g in groups for r in g.replicas)
+        RunningReplica(
+            r.id,
+            g.id,
+            r.spec.model,
+            g.node,
+            r.spec.gpus,
+            r.spec.share,
+            r.spec.tp,
+            f"http://{r.id}:8000",
+            ready,
+            r.spec.memory_bytes_per_gpu,
+            r.spec.revision,
+        )
+        for g in groups
+        for r in g.replicas
+    )
     routes = tuple(Route(r.model, r.url) for r in replicas) if routed else ()
     return Observed(replicas, routes)
 
@@ -45,10 +58,20 @@ def kinds(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def test_groups_join_replicas_sharing_gpus_transitively() -> None:
-    groups = group_specs([spec("a", [0, 1], 0.5), spec("b", [1], 0.5), spec("c", [0], 0.5),
-                          spec("d", [2]), spec("e", [0], 0.5, node="n1")])
+    groups = group_specs(
+        [
+            spec("a", [0, 1], 0.5),
+            spec("b", [1], 0.5),
+            spec("c", [0], 0.5),
+            spec("d", [2]),
+            spec("e", [0], 0.5, node="n1"),
+        ]
+    )
     assert [(g.node, g.gpus, g.models) for g in groups] == [
-        ("n0", (0, 1), ("a", "b", "c")), ("n0", (2,), ("d",)), ("n1", (0,), ("e",))]
+        ("n0", (0, 1), ("a", "b", "c")),
+        ("n0", (2,), ("d",)),
+        ("n1", (0,), ("e",)),
+    ]
     assert groups[0].shared and not groups[1].shared
 
 
@@ -67,8 +90,14 @@ def test_ids_are_content_digests_independent_of_order() -> None:
 def test_from_nothing_starts_all_then_waits_then_routes() -> None:
     target = group_specs([spec("a", [0]), spec("b", [1], 0.5), spec("c", [1], 0.5)])
     plan = make_plan(Observed(), target)
-    assert [s.kind for s in plan.steps] == ["start", "start", "wait_ready", "wait_ready",
-                                            "add_route", "add_route"]
+    assert [s.kind for s in plan.steps] == [
+        "start",
+        "start",
+        "wait_ready",
+        "wait_ready",
+        "add_route",
+        "add_route",
+    ]
     assert plan.safe and not plan.kept and not plan.dropped
     dry_run(plan, Observed())
 
@@ -89,8 +118,13 @@ def test_make_before_break_when_gpus_are_free() -> None:
     old = group_specs([spec("a", [0]), spec("b", [1])])
     new = group_specs([spec("a", [2]), spec("b", [1])])  # a moves to a free GPU
     plan = make_plan(running(old), new)
-    assert kinds(plan) == [("start", ("a",)), ("wait_ready", ("a",)), ("add_route", ("a",)),
-                           ("drain", ("a",)), ("stop", ("a",))]
+    assert kinds(plan) == [
+        ("start", ("a",)),
+        ("wait_ready", ("a",)),
+        ("add_route", ("a",)),
+        ("drain", ("a",)),
+        ("stop", ("a",)),
+    ]
     assert plan.steps[0].gpus == (2,) and plan.steps[-1].gpus == (0,)
     dry_run(plan, running(old))
 
@@ -99,13 +133,22 @@ def test_blocked_groups_are_replaced_one_at_a_time_while_others_serve() -> None:
     # Two whole-GPU replicas of a become two shared GPUs (a + b each): every new group needs
     # the GPU of an old one, so one GPU is switched at a time and a never goes unserved.
     old = group_specs([spec("a", [0]), spec("a", [1])])
-    new = group_specs([spec("a", [0], 0.5), spec("b", [0], 0.5),
-                       spec("a", [1], 0.5), spec("b", [1], 0.5)])
+    new = group_specs(
+        [spec("a", [0], 0.5), spec("b", [0], 0.5), spec("a", [1], 0.5), spec("b", [1], 0.5)]
+    )
     plan = make_plan(running(old), new)
     assert [(s.kind, s.gpus) for s in plan.steps] == [
-        ("drain", (0,)), ("stop", (0,)), ("start", (0,)), ("wait_ready", (0,)),
-        ("add_route", (0,)), ("drain", (1,)), ("stop", (1,)), ("start", (1,)),
-        ("wait_ready", (1,)), ("add_route", (1,))]
+        ("drain", (0,)),
+        ("stop", (0,)),
+        ("start", (0,)),
+        ("wait_ready", (0,)),
+        ("add_route", (0,)),
+        ("drain", (1,)),
+        ("stop", (1,)),
+        ("start", (1,)),
+        ("wait_ready", (1,)),
+        ("add_route", (1,)),
+    ]
     assert plan.safe
     lines = dry_run(plan, running(old))
     assert "a=1" in lines[0] and "a=2, b=2" in lines[-1]
@@ -129,9 +172,17 @@ def test_spare_gpus_carry_a_sole_replica_while_its_gpu_is_rebuilt() -> None:
     (temp,) = plan.temporary
     assert temp.gpus == (1,) and temp.models == ("a",)
     assert [(s.kind, s.gpus) for s in plan.steps] == [
-        ("start", (1,)), ("wait_ready", (1,)), ("add_route", (1,)),
-        ("drain", (0,)), ("stop", (0,)), ("start", (0,)), ("wait_ready", (0,)),
-        ("add_route", (0,)), ("drain", (1,)), ("stop", (1,))]
+        ("start", (1,)),
+        ("wait_ready", (1,)),
+        ("add_route", (1,)),
+        ("drain", (0,)),
+        ("stop", (0,)),
+        ("start", (0,)),
+        ("wait_ready", (0,)),
+        ("add_route", (0,)),
+        ("drain", (1,)),
+        ("stop", (1,)),
+    ]
     dry_run(plan, running(old))
     assert Plan.from_json(plan.to_json()) == plan
     # A tensor-parallel replica needs a whole free NVLink domain: none here, so no copy.
@@ -165,8 +216,13 @@ def test_dry_run_catches_a_broken_plan() -> None:
     old = group_specs([spec("a", [0])])
     new = group_specs([spec("a", [0], 0.5), spec("b", [0], 0.5)])
     plan = make_plan(running(old), new)
-    reordered = Plan(plan.target, (plan.steps[2], *plan.steps[:2], *plan.steps[3:]),
-                     plan.kept, plan.outages, plan.dropped)
+    reordered = Plan(
+        plan.target,
+        (plan.steps[2], *plan.steps[:2], *plan.steps[3:]),
+        plan.kept,
+        plan.outages,
+        plan.dropped,
+    )
     with pytest.raises(PlanError, match="GPUs still held"):
         dry_run(reordered, running(old))
     undeclared = Plan(plan.target, plan.steps, plan.kept, (), plan.dropped)
@@ -178,15 +234,18 @@ def test_dry_run_catches_a_broken_plan() -> None:
 
 def test_target_from_placement_carries_revisions() -> None:
     cluster = Cluster.uniform(1, 2, 2, "a6000", 48 * GB)
-    placement = place(cluster, [ReplicaDemand("w", "a", 1, 0.5, None, 0),
-                                ReplicaDemand("w", "b", 1, 0.5, None, 0)])
+    placement = place(
+        cluster,
+        [ReplicaDemand("w", "a", 1, 0.5, None, 0), ReplicaDemand("w", "b", 1, 0.5, None, 0)],
+    )
     (group,) = target_from_placement(placement, {"a": "r1"})
     assert {(r.spec.model, r.spec.revision) for r in group.replicas} == {("a", "r1"), ("b", "")}
 
 
 MODELS = ("a", "b", "c")
-demand = st.tuples(st.sampled_from(MODELS), st.sampled_from([1, 2]),
-                   st.sampled_from([0.25, 0.5, 1.0]))
+demand = st.tuples(
+    st.sampled_from(MODELS), st.sampled_from([1, 2]), st.sampled_from([0.25, 0.5, 1.0])
+)
 
 
 def _target(cluster: Cluster, ds: list[tuple[str, int, float]]) -> tuple[GroupSpec, ...] | None:
@@ -199,8 +258,9 @@ def _target(cluster: Cluster, ds: list[tuple[str, int, float]]) -> tuple[GroupSp
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(st.lists(demand, min_size=1, max_size=6), st.lists(demand, min_size=1, max_size=6))
-def test_any_plan_dry_runs_to_its_target(old_ds: list[tuple[str, int, float]],
-                                         new_ds: list[tuple[str, int, float]]) -> None:
+def test_any_plan_dry_runs_to_its_target(
+    old_ds: list[tuple[str, int, float]], new_ds: list[tuple[str, int, float]]
+) -> None:
     cluster = Cluster.uniform(2, 4, 2, "a6000", 48 * GB)
     old, new = _target(cluster, old_ds), _target(cluster, new_ds)
     if old is None or new is None:
@@ -209,6 +269,7 @@ def test_any_plan_dry_runs_to_its_target(old_ds: list[tuple[str, int, float]],
     dry_run(plan, running(old))  # raises on any broken invariant
     both = {m for m, _, _ in old_ds} & {m for m, _, _ in new_ds}
     assert set(plan.outages) <= both
+
     # Make-before-break: a model with a new replica on GPUs no old group holds never goes
     # unserved; and an outage only hits a model whose every old group a new group needs.
     def overlaps_old(g: GroupSpec) -> bool:

@@ -10,10 +10,10 @@ import orjson
 import pytest
 import yaml
 
-from bench._search_instances import curve
-from optimizer.cli import main
-from optimizer.profiles import save_points
-from optimizer.scenario import load_scenario
+from bench.speed._search_instances import curve
+from optimizer.cli.main import main
+from optimizer.search.scenario import load_scenario
+from optimizer.store.profiles import save_points
 from shared.settings_schema import SettingsError
 from tests.optimizer.conftest import Row, call
 
@@ -38,8 +38,7 @@ def test_paper_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     total = sum(w["gpus"] for w in doc["workflows"].values())
     assert total <= 8
     placed = doc["placement"]
-    replicas = sum(m["replicas"] for w in doc["workflows"].values()
-                   for m in w["models"].values())
+    replicas = sum(m["replicas"] for w in doc["workflows"].values() for m in w["models"].values())
     assert len(placed) == replicas
     usage: dict[tuple[str, int], float] = {}
     for r in placed:
@@ -49,8 +48,7 @@ def test_paper_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["search"]["candidates_evaluated"] > 0 and doc["search"]["seconds"] > 0
 
 
-def test_paper_scenario_table_and_plot(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_paper_scenario_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "curves.png"
     assert main(["plan", "--scenario", str(PAPER), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -60,8 +58,19 @@ def test_paper_scenario_table_and_plot(tmp_path: Path,
 
 
 def test_ablation_flags_and_rate_override(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _json(capsys, ["plan", "--scenario", str(PAPER), "--json", "--no-fraction",
-                         "--no-tp", "--rate", "rag_rerank=2"])
+    doc = _json(
+        capsys,
+        [
+            "plan",
+            "--scenario",
+            str(PAPER),
+            "--json",
+            "--no-fraction",
+            "--no-tp",
+            "--rate",
+            "rag_rerank=2",
+        ],
+    )
     models = [m for w in doc["workflows"].values() for m in w["models"].values()]
     assert {m["share"] for m in models} == {1.0} and {m["tp"] for m in models} == {1}
     assert doc["workflows"]["rag_rerank"]["rate"] == 2.0
@@ -100,10 +109,13 @@ def test_scenario_overlaps_reach_the_pipeline_and_are_checked(tmp_path: Path) ->
     path.write_text(yaml.safe_dump(data))
     pipe = load_scenario(path)[0].workflows[0].pipeline()
     assert [(o.a, o.b, o.coupling) for o in pipe.overlaps] == [
-        ("llama-3.2-1b", "llama-3.1-8b-prm", 1.5)]
-    for key, value, where in (("b", "e5-base-v2", r"overlaps\[0\]\.b"),
-                              ("coupling", 3.0, r"overlaps\[0\]\.coupling"),
-                              ("b", "llama-3.2-1b", r"overlaps\[0\]\.b")):
+        ("llama-3.2-1b", "llama-3.1-8b-prm", 1.5)
+    ]
+    for key, value, where in (
+        ("b", "e5-base-v2", r"overlaps\[0\]\.b"),
+        ("coupling", 3.0, r"overlaps\[0\]\.coupling"),
+        ("b", "llama-3.2-1b", r"overlaps\[0\]\.b"),
+    ):
         beam["overlaps"] = [{"a": "llama-3.2-1b", "b": "llama-3.1-8b-prm", key: value}]
         path.write_text(yaml.safe_dump(data))
         with pytest.raises(SettingsError, match=r"workflows\[0\]\." + where):
@@ -119,21 +131,33 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "unknown workflow" in err and "--config" in err
 
 
-def test_store_mode(write_store: Callable[[list[Row]], Path], tmp_path: Path,
-                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_store_mode(
+    write_store: Callable[[list[Row]], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows = []
     for i in range(40):  # one request every 0.5 s: 2 calls to gen (in parallel), 1 to ver
         t = i * 0.5
-        rows += [call("agent", f"r{i}", "gen", t, t + 0.2), call("agent", f"r{i}", "gen", t,
-                                                                 t + 0.2),
-                 call("agent", f"r{i}", "ver", t + 0.2, t + 0.3)]
+        rows += [
+            call("agent", f"r{i}", "gen", t, t + 0.2),
+            call("agent", f"r{i}", "gen", t, t + 0.2),
+            call("agent", f"r{i}", "ver", t + 0.2, t + 0.3),
+        ]
     store = write_store(rows)
     save_points(store, curve("gen", 1, 20.0, 0.2, 1.0) + curve("ver", 1, 30.0, 0.1, 1.0))
     config = tmp_path / "scepsy.yaml"
-    config.write_text(yaml.safe_dump({
-        "cluster": {"node_count": 1, "gpus_per_node": 2, "gpu_type": "a6000"},
-        "rollout": {"models": [{"name": "gen", "min_memory_gb": 10},
-                               {"name": "ver", "min_memory_gb": 10}]}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "cluster": {"node_count": 1, "gpus_per_node": 2, "gpu_type": "a6000"},
+                "rollout": {
+                    "models": [
+                        {"name": "gen", "min_memory_gb": 10},
+                        {"name": "ver", "min_memory_gb": 10},
+                    ]
+                },
+            }
+        )
+    )
     doc = _json(capsys, ["plan", "--store", str(store), "--config", str(config), "--json"])
     agent = doc["workflows"]["agent"]
     assert agent["rate"] == pytest.approx(2.0, rel=0.1)

@@ -15,8 +15,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from optimizer.cli import main
-from optimizer.profile_window import (
+from optimizer.cli.main import main
+from optimizer.model.curves import Profile
+from optimizer.profiling.profiler import Replayer, sweep
+from optimizer.profiling.replay import build_workload, load_workload
+from optimizer.profiling.window import (
     SweepSettings,
     Target,
     fill_time,
@@ -24,9 +27,8 @@ from optimizer.profile_window import (
     send_span,
     tapered_rate,
 )
-from optimizer.profiler import Replayer, sweep
-from optimizer.profiles import Profile, ProfilePoint, export_json, load_points, save_points
-from optimizer.replay import build_workload, load_workload
+from optimizer.store.profiles import load_points, save_points
+from shared.profile_points import ProfilePoint, export_json
 from shared.records import CallRecord
 from shared.store import SegmentWriter
 
@@ -189,14 +191,14 @@ def test_from_json_replaces_only_its_keys(tmp_path: Path) -> None:
 @pytest.mark.skipif(
     not os.environ.get("SCEPSY_E2E_PROFILE"),
     reason="~40 s of real-time emulation whose saturation reading depends on machine load: "
-    "set SCEPSY_E2E_PROFILE=1 (bench.profile_time reports the same figure)",
+    "set SCEPSY_E2E_PROFILE=1 (bench.speed.profile_time reports the same figure)",
 )
 @pytest.mark.timeout(150)  # ~40 s at load 3 on 2 cores; the emulator runs in real time
 def test_profile_emulated_embedder_end_to_end(tmp_path: Path) -> None:
     """``scepsy profile --quick`` against a real emulator process (e5-base-v2) at the speed-up
     it calibrates itself, checked against the capacity the emulator's performance model
     implies for the same calls."""
-    from bench.profile_time import implied_capacity
+    from bench.speed.profile_time import implied_capacity
     from sim.cluster import Allocation, ReplicaSpec
     from sim.des import WorkloadSpec, simulate
     from sim.trace import write_trace

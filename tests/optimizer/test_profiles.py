@@ -1,4 +1,4 @@
-"""optimizer.profiles: storage, JSON, the curve (saturation, interpolation, scaling)."""
+"""optimizer.model.curves: storage, JSON, the curve (saturation, interpolation, scaling)."""
 
 from __future__ import annotations
 
@@ -9,32 +9,43 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer.profiles import (
-    Profile,
-    ProfileBook,
-    ProfileError,
-    ProfilePoint,
-    export_json,
-    import_json,
-    load_points,
-    load_points_async,
-    save_points,
-    save_points_async,
-)
+from optimizer.model.curves import Profile, ProfileBook
+from optimizer.store.profiles import load_points, load_points_async, save_points, save_points_async
+from shared.profile_points import ProfileError, ProfilePoint, export_json, import_json
 
 MU = 10.0  # an M/M/1 server: latency 1 / (mu - lambda), throughput min(lambda, mu)
 AT_MU = 50.0  # latency read at lambda >= mu over a finite window
 
 
-def mm1(model: str = "gen", tp: int = 1, share: float = 1.0, mu: float = MU,
-        rates: tuple[float, ...] | None = None) -> list[ProfilePoint]:
+def mm1(
+    model: str = "gen",
+    tp: int = 1,
+    share: float = 1.0,
+    mu: float = MU,
+    rates: tuple[float, ...] | None = None,
+) -> list[ProfilePoint]:
     """Points of an M/M/1 server (by default 1..15 and ``mu`` itself); the point at ``mu``
     keeps up (barely), those past it do not."""
     out = []
     for lam in sorted({1, 3, 5, 7, 8, 9, 12, 15, mu} if rates is None else rates):
         lat = 1.0 / (mu - lam) if lam < mu else AT_MU
-        out.append(ProfilePoint(model, "emulator", "H100", tp, share, lam, min(lam, mu),
-                                lat, lat * 0.7, lat * 2.3, lat * 4.6, 0.01, 1000))
+        out.append(
+            ProfilePoint(
+                model,
+                "emulator",
+                "H100",
+                tp,
+                share,
+                lam,
+                min(lam, mu),
+                lat,
+                lat * 0.7,
+                lat * 2.3,
+                lat * 4.6,
+                0.01,
+                1000,
+            )
+        )
     return out
 
 

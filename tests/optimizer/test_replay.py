@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from optimizer.replay import (
+from optimizer.profiling.replay import (
     ReplayError,
     build_workload,
     frontier_deps,
@@ -22,20 +22,60 @@ from shared.store import SegmentWriter
 S = 1_000_000
 
 
-def rec(call_id: str, rid: str | None, start: float, end: float | None, *, attempt: int = 0,
-        status: int = 200, body: dict[str, Any] | None = None, model: str = "m",
-        completion: int | None = 7) -> CallRecord:
-    doc = body if body is not None else {"model": "traced", "messages": [
-        {"role": "user", "content": call_id}], "max_tokens": 99}
-    return CallRecord(call_id=call_id, proxy_id="t", workflow="w", request_id=rid, model=model,
-                      endpoint="/v1/chat/completions", attempt=attempt, status=status,
-                      t_start=round(start * S), t_end=None if end is None else round(end * S),
-                      completion_tokens=completion, body=orjson.dumps(doc).decode())
+def rec(
+    call_id: str,
+    rid: str | None,
+    start: float,
+    end: float | None,
+    *,
+    attempt: int = 0,
+    status: int = 200,
+    body: dict[str, Any] | None = None,
+    model: str = "m",
+    completion: int | None = 7,
+) -> CallRecord:
+    doc = (
+        body
+        if body is not None
+        else {
+            "model": "traced",
+            "messages": [{"role": "user", "content": call_id}],
+            "max_tokens": 99,
+        }
+    )
+    return CallRecord(
+        call_id=call_id,
+        proxy_id="t",
+        workflow="w",
+        request_id=rid,
+        model=model,
+        endpoint="/v1/chat/completions",
+        attempt=attempt,
+        status=status,
+        t_start=round(start * S),
+        t_end=None if end is None else round(end * S),
+        completion_tokens=completion,
+        body=orjson.dumps(doc).decode(),
+    )
 
 
 def rows(records: list[CallRecord]) -> list[tuple[Any, ...]]:
-    return [(r.call_id, r.request_id, r.endpoint, r.attempt, r.status, r.error, r.stream,
-             r.t_start, r.t_end, r.completion_tokens, r.body) for r in records]
+    return [
+        (
+            r.call_id,
+            r.request_id,
+            r.endpoint,
+            r.attempt,
+            r.status,
+            r.error,
+            r.stream,
+            r.t_start,
+            r.t_end,
+            r.completion_tokens,
+            r.body,
+        )
+        for r in records
+    ]
 
 
 def test_frontier_keeps_only_direct_predecessors() -> None:
@@ -47,11 +87,14 @@ def test_frontier_keeps_only_direct_predecessors() -> None:
 
 def test_workload_groups_dependencies_retries_and_skips() -> None:
     records = [
-        rec("a", "r1", 0.0, 1.0), rec("b", "r1", 0.0, 2.0),
+        rec("a", "r1", 0.0, 1.0),
+        rec("b", "r1", 0.0, 2.0),
         rec("c", "r1", 2.5, 3.0, attempt=0, status=502),
         rec("c", "r1", 2.5, 3.5, attempt=1),  # the retry that succeeded: one logical call
-        rec("d", "r2", 0.5, 0.9), rec("x", "r2", 1.0, 2.0, status=500),  # failed: skipped
-        rec("e", None, 0.2, 0.4), rec("f", None, 0.3, 0.6),
+        rec("d", "r2", 0.5, 0.9),
+        rec("x", "r2", 1.0, 2.0, status=500),  # failed: skipped
+        rec("e", None, 0.2, 0.4),
+        rec("f", None, 0.3, 0.6),
     ]
     nobody = rec("g", "r2", 3.0, 4.0)
     nobody.body = None

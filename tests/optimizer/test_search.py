@@ -1,4 +1,4 @@
-"""optimizer.search: equal to the exhaustive reference, rules respected, welfare policies differ."""
+"""optimizer.search.solve: equal to the exhaustive reference, rules respected, welfare policies differ."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench._search_instances import (
+from bench.speed._search_instances import (
     GPU_MEMORY,
     curve,
     demand_rate,
@@ -17,10 +17,11 @@ from bench._search_instances import (
     random_problem,
     scaled_problem,
 )
-from optimizer.alp import Pipeline, Stage, predict_many
+from optimizer.model.alp import Pipeline, Stage, predict_many
+from optimizer.model.curves import ProfileBook
 from optimizer.placement import check_placement
-from optimizer.profiles import ProfileBook
-from optimizer.search import (
+from optimizer.search.reference import solve, solve_split
+from optimizer.search.solve import (
     ExcludedConfig,
     SearchProblem,
     SearchResult,
@@ -31,8 +32,7 @@ from optimizer.search import (
     search_and_place,
     search_async,
 )
-from optimizer.search_reference import solve, solve_split
-from optimizer.search_space import (
+from optimizer.search.space import (
     LineLayout,
     SearchError,
     line_layout,
@@ -49,11 +49,16 @@ def _reference_latency(problem: SearchProblem, result: SearchResult, rate: float
     ``predict_many``), so the two objectives compare to rounding."""
     pipe = problem.workflows[0].pipeline
     alloc = result.workflows[0].allocation
-    pred = predict_many(pipe, problem.book, rate,
-                        [[alloc[s.model].replicas for s in pipe.stages]],
-                        [[alloc[s.model].tp for s in pipe.stages]],
-                        [[alloc[s.model].share for s in pipe.stages]],
-                        stat=problem.stat, pooling=problem.pooling)
+    pred = predict_many(
+        pipe,
+        problem.book,
+        rate,
+        [[alloc[s.model].replicas for s in pipe.stages]],
+        [[alloc[s.model].tp for s in pipe.stages]],
+        [[alloc[s.model].share for s in pipe.stages]],
+        stat=problem.stat,
+        pooling=problem.pooling,
+    )
     return float(pred.latency[0])
 
 
@@ -91,7 +96,8 @@ def test_search_equals_reference_on_random_instances() -> None:
         assert w.served_rate == pytest.approx(ref.served_rate, rel=1e-9), where
         if ref.served_rate > 0:
             assert _reference_latency(problem, got, ref.served_rate) == pytest.approx(
-                ref.latency, rel=1e-9), where
+                ref.latency, rel=1e-9
+            ), where
             # predict() uses the exact share, predict_many rounds it to 6 digits: close, not equal
             assert w.latency == pytest.approx(ref.latency, rel=1e-4), where
             assert w.throughput >= w.served_rate * (1 + problem.headroom) * (1 - 1e-6)
@@ -107,10 +113,15 @@ def _two_workflows(rng: np.random.Generator, welfare: str) -> SearchProblem:
     a, b = random_pipeline(rng, "a", names[:2]), random_pipeline(rng, "b", names[1:])
     gpus = int(rng.integers(1, 3))
     return SearchProblem(
-        (WorkflowTarget(a, demand_rate(a, base, gpus, float(rng.uniform(0.1, 0.6)))),
-         WorkflowTarget(b, demand_rate(b, base, gpus, float(rng.uniform(0.1, 0.6))))),
-        ProfileBook(points), Cluster.uniform(1, gpus, gpus, "a6000", GPU_MEMORY),
-        granularity=int(rng.choice([2, 3])), welfare=welfare)
+        (
+            WorkflowTarget(a, demand_rate(a, base, gpus, float(rng.uniform(0.1, 0.6)))),
+            WorkflowTarget(b, demand_rate(b, base, gpus, float(rng.uniform(0.1, 0.6)))),
+        ),
+        ProfileBook(points),
+        Cluster.uniform(1, gpus, gpus, "a6000", GPU_MEMORY),
+        granularity=int(rng.choice([2, 3])),
+        welfare=welfare,
+    )
 
 
 @pytest.mark.parametrize("welfare", ["egalitarian", "social"])
@@ -120,8 +131,13 @@ def test_split_between_workflows_equals_reference(welfare: str) -> None:
         problem = _two_workflows(rng, welfare)
         # the search lays the workflows out in their best order: the reference in each order
         got = search(problem)
-        ref = max((solve_split(replace(problem, workflows=problem.workflows[::step]))
-                   for step in (1, -1)), key=lambda r: r.objective)
+        ref = max(
+            (
+                solve_split(replace(problem, workflows=problem.workflows[::step]))
+                for step in (1, -1)
+            ),
+            key=lambda r: r.objective,
+        )
         assert got.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-9)
         assert sum(w.budget_units for w in got.workflows) <= problem.units
         _rules_hold(problem, got)
@@ -130,13 +146,20 @@ def test_split_between_workflows_equals_reference(welfare: str) -> None:
 def test_workflows_are_laid_out_in_the_order_that_serves_them_best() -> None:
     # "second"'s first LLM needs a whole GPU (memory): laid out after "first"'s half GPU, its
     # run starts mid-GPU and leaves nothing for its second LLM; laid out first, both fit
-    points = (curve("a", 1, 10.0, 0.1, 1.0) + curve("b1", 1, 10.0, 2.0, 1.0)
-              + curve("b2", 1, 10.0, 0.1, 1.0))
+    points = (
+        curve("a", 1, 10.0, 0.1, 1.0)
+        + curve("b1", 1, 10.0, 2.0, 1.0)
+        + curve("b2", 1, 10.0, 0.1, 1.0)
+    )
     first = Pipeline("first", (Stage("a", 1.0, 1.0),))
     second = Pipeline("second", (Stage("b1", 1.0, 1.0), Stage("b2", 1.0, 1.0)))
-    problem = SearchProblem((WorkflowTarget(first, 1.0), WorkflowTarget(second, 1.0)),
-                            ProfileBook(points), Cluster.uniform(1, 2, 2, "a6000", GPU_MEMORY),
-                            memory_floor_bytes={"b1": int(0.6 * GPU_MEMORY)}, granularity=2)
+    problem = SearchProblem(
+        (WorkflowTarget(first, 1.0), WorkflowTarget(second, 1.0)),
+        ProfileBook(points),
+        Cluster.uniform(1, 2, 2, "a6000", GPU_MEMORY),
+        memory_floor_bytes={"b1": int(0.6 * GPU_MEMORY)},
+        granularity=2,
+    )
     given = solve_split(problem)
     swapped = solve_split(replace(problem, workflows=problem.workflows[::-1]))
     assert given.objective < 0 <= swapped.objective  # only the other order serves "second"
@@ -154,9 +177,14 @@ def _crafted(welfare: str) -> SearchProblem:
     chat = Pipeline("chat", (Stage("small", 1.0, 1.0),))
     # rates where the worst-off workflow and the sum pull the split different ways (the
     # paper's latency model, without the pooling correction, so the case stays put)
-    return SearchProblem((WorkflowTarget(agent, 2.0), WorkflowTarget(chat, 24.0)),
-                         ProfileBook(points), Cluster.uniform(1, 3, 1, "a6000", GPU_MEMORY),
-                         granularity=2, welfare=welfare, pooling=False)
+    return SearchProblem(
+        (WorkflowTarget(agent, 2.0), WorkflowTarget(chat, 24.0)),
+        ProfileBook(points),
+        Cluster.uniform(1, 3, 1, "a6000", GPU_MEMORY),
+        granularity=2,
+        welfare=welfare,
+        pooling=False,
+    )
 
 
 def test_egalitarian_and_social_welfare_differ() -> None:
@@ -192,8 +220,7 @@ def test_memory_floor_forces_larger_shares() -> None:
     tight = search(tight_problem)
     _rules_hold(tight_problem, tight)
     assert tight.workflows[0].allocation[smaller.model].share >= 0.7
-    both = replace(base, memory_floor_bytes={m.model: int(0.6 * GPU_MEMORY)
-                                             for m in loose.models})
+    both = replace(base, memory_floor_bytes={m.model: int(0.6 * GPU_MEMORY) for m in loose.models})
     none = search(both).workflows[0]  # 0.6 + 0.6 GPUs of memory do not fit in one
     assert not none.feasible and none.models == () and none.served_rate == 0
 
@@ -258,8 +285,10 @@ async def test_search_async_runs_off_the_loop() -> None:
 
 def _configs_of(layout: LineLayout, position: int, units: int) -> set[tuple[int, int, float]]:
     rc = run_configs(layout, [position], [units])
-    out = [(int(t), int(d), round(float(s), 6)) for t, d, s in
-           zip(rc.tp, rc.replicas, rc.share, strict=True)]
+    out = [
+        (int(t), int(d), round(float(s), 6))
+        for t, d, s in zip(rc.tp, rc.replicas, rc.share, strict=True)
+    ]
     assert len(out) == len(set(out))  # each configuration listed once
     return set(out)
 
@@ -288,4 +317,5 @@ def test_the_search_layout_places_every_demand_in_order() -> None:
     placement = line_placement(problem, out.result)
     check_placement(problem.cluster, placement)
     assert [r.demand for r in placement.replicas] == replica_demands(
-        out.result, problem.memory_floor_bytes)
+        out.result, problem.memory_floor_bytes
+    )

@@ -1,4 +1,4 @@
-"""optimizer.stats against hand-computed values on small crafted traces."""
+"""optimizer.stats.figures against hand-computed values on small crafted traces."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from optimizer.stats import Window, summarise_store
-from optimizer.stats_scan import SAMPLE_MODULUS
+from optimizer.stats.figures import Window
+from optimizer.stats.reader import summarise_store
+from optimizer.stats.scan import SAMPLE_MODULUS
 from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
 
@@ -83,18 +84,27 @@ def test_cross_model_overlap_is_measured(write_store: Write) -> None:
 
 def test_pairwise_overlaps_are_measured_per_pair_of_models(write_store: Write) -> None:
     # a [0,6] with b [4,8] (2 s together) and c [5,10] (1 s with a, 3 s with b); then a alone.
-    rows = [call("t", "R", "a", 0, 6), call("t", "R", "b", 4, 8), call("t", "R", "c", 5, 10),
-            call("t", "R", "a", 12, 13),
-            call("t", "Q", "a", 0, 1), call("t", "Q", "b", 1, 2)]  # strictly in turn
+    rows = [
+        call("t", "R", "a", 0, 6),
+        call("t", "R", "b", 4, 8),
+        call("t", "R", "c", 5, 10),
+        call("t", "R", "a", 12, 13),
+        call("t", "Q", "a", 0, 1),
+        call("t", "Q", "b", 1, 2),
+    ]  # strictly in turn
     wf = summarise_store(write_store(rows))["t"]
-    assert wf.overlaps == {("a", "b"): pytest.approx(1.0), ("a", "c"): pytest.approx(0.5),
-                           ("b", "c"): pytest.approx(1.5)}  # per request, over 2 requests
+    assert wf.overlaps == {
+        ("a", "b"): pytest.approx(1.0),
+        ("a", "c"): pytest.approx(0.5),
+        ("b", "c"): pytest.approx(1.5),
+    }  # per request, over 2 requests
     assert wf.critical_path_mean == pytest.approx((11 + 2) / 2)
 
 
 def test_tool_time_is_the_uncovered_gap(write_store: Write) -> None:
     rows = [
-        call("t", "R", "gen", 0, 1), call("t", "R", "gen", 0.5, 1.5),  # covered [0, 1.5]
+        call("t", "R", "gen", 0, 1),
+        call("t", "R", "gen", 0.5, 1.5),  # covered [0, 1.5]
         call("t", "R", "ver", 3.5, 4),  # a 2 s tool call between them
     ]
     wf = summarise_store(write_store(rows))["t"]
@@ -137,11 +147,22 @@ def test_open_rows_are_calls_still_running(write_store: Write) -> None:
     done_open = _opened(call("w", "done", "gen", 4, None, call_id="d1"))
     stray = call("w", None, "gen", 6, 7, call_id="u1")  # unidentified, announced too
     # two parallel calls of one request, same model and start: one finished, one running
-    par = [call("w", "par", "gen", 8, 9, call_id="p1"), call("w", "par", "gen", 8, None,
-                                                               call_id="p2")]
-    rows = [done_open, early, _opened(queued), _opened(only), done, stray,
-            _opened(call("w", None, "gen", 6, None, call_id="u1")),
-            _opened(par[0]), par[0], _opened(par[1])]
+    par = [
+        call("w", "par", "gen", 8, 9, call_id="p1"),
+        call("w", "par", "gen", 8, None, call_id="p2"),
+    ]
+    rows = [
+        done_open,
+        early,
+        _opened(queued),
+        _opened(only),
+        done,
+        stray,
+        _opened(call("w", None, "gen", 6, None, call_id="u1")),
+        _opened(par[0]),
+        par[0],
+        _opened(par[1]),
+    ]
     window = Window(t_from_us=0, t_to_us=30 * S, settle_us=2 * S)
     wf = summarise_store(write_store(rows), window)["w"]
     assert wf.arrivals == 4  # "only" is seen only through its open row
@@ -240,12 +261,18 @@ def test_no_workflow_is_left_without_a_sample(write_store: Write) -> None:
     them; the sample keeps one, and the exact counts stay."""
     # request ids whose keys all lie above the threshold (a third of the key space)
     con = duckdb.connect()
-    keys = dict(con.execute(f"SELECT 'long' || i, hash('w', 'long' || i) % {SAMPLE_MODULUS} "
-                            "FROM range(100) t(i)").fetchall())
+    keys = dict(
+        con.execute(
+            f"SELECT 'long' || i, hash('w', 'long' || i) % {SAMPLE_MODULUS} FROM range(100) t(i)"
+        ).fetchall()
+    )
     con.close()
     ids = [rid for rid, key in keys.items() if key > SAMPLE_MODULUS // 2][:3]
-    rows = [call("w", rid, "gen", 100 * i + j, 100 * i + j + 0.5)
-            for i, rid in enumerate(ids) for j in range(50)]
+    rows = [
+        call("w", rid, "gen", 100 * i + j, 100 * i + j + 0.5)
+        for i, rid in enumerate(ids)
+        for j in range(50)
+    ]
     wf = summarise_store(write_store(rows), union_cap=50)["w"]
     assert wf.requests == 3 and wf.union_requests == 1
     gen = wf.models["gen"]
@@ -261,8 +288,7 @@ def test_everything_is_exact_when_all_calls_fit_under_the_cap(write_store: Write
     assert all(wf.union_requests == wf.requests for wf in stats.values())
 
 
-def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(
-        write_store: Write) -> None:
+def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(write_store: Write) -> None:
     """No request completed in the window (all outlast it): the workflow is still there, with
     the arrivals its open rows show and no per-request figure."""
     rows = [_opened(call("w", f"r{i}", "gen", 10 + i, None)) for i in range(6)]

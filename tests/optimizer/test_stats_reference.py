@@ -1,4 +1,4 @@
-"""optimizer.stats against a brute-force reference on random traces: overlapping and nested
+"""optimizer.stats.figures against a brute-force reference on random traces: overlapping and nested
 calls, calls across models at once, retries, missing request ids, calls still running and the
 proxy's open rows of calls that finished later, windows.
 
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from optimizer.stats import Window, WorkflowStats, summarise_store
+from optimizer.stats.figures import Window, WorkflowStats
+from optimizer.stats.reader import summarise_store
 from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
 from tests.optimizer.test_stats_union import _union
@@ -39,10 +40,21 @@ def _trace(rng: random.Random) -> list[Row]:
             model = rng.choice(MODELS[wf])
             prompt = None if rng.random() < 0.1 else rng.randint(1, 50)
             if rng.random() < 0.1:  # a retried call: the attempt-0 row must be dropped
-                rows.append(call(wf, rid, model, start, start + 9.0, call_id=f"x{i}-{j}",
-                                 attempt=0, prompt=999))
-                rows.append(call(wf, rid, model, start, end, call_id=f"x{i}-{j}", attempt=1,
-                                 prompt=prompt))
+                rows.append(
+                    call(
+                        wf,
+                        rid,
+                        model,
+                        start,
+                        start + 9.0,
+                        call_id=f"x{i}-{j}",
+                        attempt=0,
+                        prompt=999,
+                    )
+                )
+                rows.append(
+                    call(wf, rid, model, start, end, call_id=f"x{i}-{j}", attempt=1, prompt=prompt)
+                )
             else:
                 rows.append(call(wf, rid, model, start, end, prompt=prompt))
                 if end is not None and rng.random() < 0.15:  # announced while it ran
@@ -51,12 +63,38 @@ def _trace(rng: random.Random) -> list[Row]:
 
 
 def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
-    cols = ("call_id", "workflow", "request_id", "model", "attempt", "t_start", "t_end",
-            "prompt_tokens")
-    idx = {name: i for i, name in enumerate(
-        ("call_id", "proxy_id", "workflow", "request_id", "model", "endpoint", "upstream",
-         "attempt", "status", "error", "stream", "t_start", "t_first_byte", "t_end",
-         "prompt_tokens"))}
+    cols = (
+        "call_id",
+        "workflow",
+        "request_id",
+        "model",
+        "attempt",
+        "t_start",
+        "t_end",
+        "prompt_tokens",
+    )
+    idx = {
+        name: i
+        for i, name in enumerate(
+            (
+                "call_id",
+                "proxy_id",
+                "workflow",
+                "request_id",
+                "model",
+                "endpoint",
+                "upstream",
+                "attempt",
+                "status",
+                "error",
+                "stream",
+                "t_start",
+                "t_first_byte",
+                "t_end",
+                "prompt_tokens",
+            )
+        )
+    }
     recs = [{c: r[idx[c]] for c in cols} for r in rows]
     top: dict[str, int] = defaultdict(int)
     for r in recs:
@@ -90,10 +128,16 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
     def first(k: tuple[str, str]) -> int:
         return int(min([c["t_start"] for c in by_req.get(k, [])] + running.get(k, [])))
 
-    arrived = {k for k in {*by_req, *running}
-               if (lo is None or first(k) >= lo) and (hi is None or first(k) < hi)}
-    done = {k: by_req[k] for k in arrived if k not in running
-            and (hi is None or max(c["t_end"] for c in by_req[k]) <= hi)}
+    arrived = {
+        k
+        for k in {*by_req, *running}
+        if (lo is None or first(k) >= lo) and (hi is None or first(k) < hi)
+    }
+    done = {
+        k: by_req[k]
+        for k in arrived
+        if k not in running and (hi is None or max(c["t_end"] for c in by_req[k]) <= hi)
+    }
     for wf, doc in out.items():
         reqs = [v for (w, _), v in done.items() if w == wf]
         doc["arrivals"] = sum(1 for (w, _) in arrived if w == wf)
@@ -110,8 +154,10 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
             unions = 0
             called = sorted({c["model"] for c in calls})
             for a, b in itertools.combinations(called, 2):  # the time both models run
-                ua, ub, uab = (_union([(c["t_start"], c["t_end"]) for c in calls
-                                       if c["model"] in ms]) for ms in ((a,), (b,), (a, b)))
+                ua, ub, uab = (
+                    _union([(c["t_start"], c["t_end"]) for c in calls if c["model"] in ms])
+                    for ms in ((a,), (b,), (a, b))
+                )
                 together[(a, b)] += ua + ub - uab
             for m in called:
                 mine = [c for c in calls if c["model"] == m]
@@ -140,8 +186,10 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
         for m, pm in per_model.items():
             share = np.asarray(pm["share"] + [0.0] * (n - len(pm["share"])))
             doc["models"][m] = {
-                "calls": sum(pm["k"]), "requests_calling": len(pm["k"]),
-                "n": sum(pm["k"]) / n, "p": np.mean(pm["p"]) if pm["p"] else math.nan,
+                "calls": sum(pm["k"]),
+                "requests_calling": len(pm["k"]),
+                "n": sum(pm["k"]) / n,
+                "p": np.mean(pm["p"]) if pm["p"] else math.nan,
                 "latency_mean": sum(pm["dur"]) / sum(pm["k"]) / S,
                 "busy_mean": sum(pm["u"]) / n / S,
                 "share_mean": share.mean(),
@@ -175,7 +223,10 @@ def _check(got: dict[str, WorkflowStats], want: dict[str, dict[str, Any]]) -> No
             ms = mine.models[model]
             for key, value in ref.items():
                 assert getattr(ms, key) == pytest.approx(value, abs=1e-9, nan_ok=True), (
-                    wf, model, key)
+                    wf,
+                    model,
+                    key,
+                )
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -1,4 +1,4 @@
-"""optimizer.stats_scan: the DuckDB pass leaves the caller's connection as it found it, and
+"""optimizer.stats.scan: the DuckDB pass leaves the caller's connection as it found it, and
 hands back the shifted layout its docstring promises."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer.stats import summarise
-from optimizer.stats_scan import Bounds, scan
+from optimizer.stats.reader import summarise
+from optimizer.stats.scan import Bounds, scan
 from shared.store import StoreReader
 from tests.optimizer.conftest import Row, S, call
 
@@ -19,8 +19,11 @@ Write = Callable[[list[Row]], Path]
 
 def _rows() -> list[Row]:
     return [
-        call("w", "A", "gen", 0, 4), call("w", "A", "ver", 1, 2), call("w", "A", "gen", 3, 9),
-        call("w", "B", "gen", 5, 6), call("w", "B", "gen", 5.5, 5.7),
+        call("w", "A", "gen", 0, 4),
+        call("w", "A", "ver", 1, 2),
+        call("w", "A", "gen", 3, 9),
+        call("w", "B", "gen", 5, 6),
+        call("w", "B", "gen", 5.5, 5.7),
         call("w", "C", "ver", 20, None),  # no end: still running (arrived, not complete)
         call("v", None, "gen", 1, 2),
     ]
@@ -38,8 +41,9 @@ def test_connection_settings_and_tables_are_restored(write_store: Write, preserv
         got = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
         assert got == (preserve,)
         assert con.execute("SELECT count(*) FROM duckdb_tables()").fetchone() == before
-        assert con.execute(
-            "SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchone() == (0,)
+        assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchone() == (
+            0,
+        )
     finally:
         reader.close()
 

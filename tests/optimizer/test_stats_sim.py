@@ -1,4 +1,4 @@
-"""optimizer.stats on simulated beam-search traces: shares are stabler than latency (paper §2.4)."""
+"""optimizer.stats.figures on simulated beam-search traces: shares are stabler than latency (paper §2.4)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.sim_profile import calls_to_rows
-from optimizer.stats import summarise_store
+from bench.accuracy.sim_profile import calls_to_rows
+from optimizer.stats.reader import summarise_store
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate
 from sim.workflows import BeamParams
@@ -16,13 +16,18 @@ from tests.optimizer.conftest import Row
 
 
 def test_shares_vary_less_than_latency_on_simulated_beam_search(
-    write_store: Callable[[list[Row]], Path]
+    write_store: Callable[[list[Row]], Path],
 ) -> None:
     params = BeamParams()
-    alloc = Allocation((ReplicaSpec(params.generator, "a6000", 1, 1.0, 1),
-                        ReplicaSpec(params.verifier, "a6000", 1, 1.0, 1)))
-    result = simulate(alloc, [WorkloadSpec("beam", 0.05, params)], n_requests=40,
-                      record_calls=True, seed=3)
+    alloc = Allocation(
+        (
+            ReplicaSpec(params.generator, "a6000", 1, 1.0, 1),
+            ReplicaSpec(params.verifier, "a6000", 1, 1.0, 1),
+        )
+    )
+    result = simulate(
+        alloc, [WorkloadSpec("beam", 0.05, params)], n_requests=40, record_calls=True, seed=3
+    )
     stats = summarise_store(write_store(calls_to_rows(result.calls)))["beam"]
     assert stats.requests == result.workflows["beam"].completed
     assert stats.latency_mean == pytest.approx(result.workflows["beam"].latency.mean, rel=1e-3)

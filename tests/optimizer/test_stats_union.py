@@ -1,12 +1,12 @@
-"""optimizer.stats_union: interval unions over the shifted layout, per-pair segments, quantiles."""
+"""optimizer.stats.union: interval unions over the shifted layout, per-pair segments, quantiles."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from optimizer import stats_union
-from optimizer.stats_union import (
+from optimizer.stats import union as stats_union
+from optimizer.stats.union import (
     covered,
     mean_of,
     quantile_cont,
@@ -42,8 +42,12 @@ def _layout(requests: list[list[tuple[int, int, int]]]) -> tuple[np.ndarray, ...
             a.append(s - t0 + off)
             b.append(e - t0 + off)
         off += extent + 1
-    return (np.asarray(pair, np.int32), np.asarray(a, np.int64), np.asarray(b, np.int64),
-            np.asarray(offsets, np.int64))
+    return (
+        np.asarray(pair, np.int32),
+        np.asarray(a, np.int64),
+        np.asarray(b, np.int64),
+        np.asarray(offsets, np.int64),
+    )
 
 
 def test_covered_on_nested_overlapping_and_disjoint_intervals() -> None:
@@ -93,8 +97,10 @@ def test_random_requests_match_brute_force(
         for p in {p for p, _, _ in calls}:
             mine = [(s, e) for q, s, e in calls if q == p]
             expected[(p, i)] = (len(mine), sum(e - s for s, e in mine), _union(mine))
-    got = {(int(p), int(r)): (int(k), int(d), int(u)) for p, r, k, d, u in zip(
-        seg.pair, seg.request, seg.calls, seg.dur, seg.union, strict=True)}
+    got = {
+        (int(p), int(r)): (int(k), int(d), int(u))
+        for p, r, k, d, u in zip(seg.pair, seg.request, seg.calls, seg.dur, seg.union, strict=True)
+    }
     assert got == expected
     assert list(seg.pair) == sorted(seg.pair)  # grouped by pair, as the bimodality test expects
 

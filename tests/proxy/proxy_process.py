@@ -22,8 +22,6 @@ from shared.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-
-
 @dataclass
 class ProxyProcess:
     proc: asyncio.subprocess.Process

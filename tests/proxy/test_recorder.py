@@ -147,10 +147,18 @@ async def test_calls_in_flight_are_announced_once(tmp_path: Path) -> None:
         rec.submit(long)
     finally:
         await rec.close()
-    got = StoreReader(tmp_path).calls().order("call_id, t_end NULLS FIRST").select(
-        "call_id, t_start, t_end, status").fetchall()
-    assert got == [("c1", long.t_start, None, None), ("c1", long.t_start, long.t_end, 200),
-                   ("c2", short.t_start, short.t_end, None)]
+    got = (
+        StoreReader(tmp_path)
+        .calls()
+        .order("call_id, t_end NULLS FIRST")
+        .select("call_id, t_start, t_end, status")
+        .fetchall()
+    )
+    assert got == [
+        ("c1", long.t_start, None, None),
+        ("c1", long.t_start, long.t_end, 200),
+        ("c2", short.t_start, short.t_end, None),
+    ]
 
 
 async def test_a_long_call_is_in_the_store_while_it_runs(
@@ -161,19 +169,28 @@ async def test_a_long_call_is_in_the_store_while_it_runs(
     p = await proxy_factory([("m", engine.url)], store={"flush_interval_s": 0.2})
     headers = {"X-Scepsy-Workflow": "wf", "X-Scepsy-Request-Id": "r1", "X-Fake-Delay-S": "1.5"}
     async with openai.AsyncOpenAI(base_url=f"{p.url}/v1", api_key="k", max_retries=0) as client:
-        call = asyncio.create_task(client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], extra_headers=headers))
+        call = asyncio.create_task(
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], extra_headers=headers
+            )
+        )
         rows: list[tuple[object, ...]] = []
         for _ in range(100):
             await asyncio.sleep(0.1)
             if (tmp := p.store / "calls").exists() and any(tmp.rglob("*.parquet")):
-                rows = StoreReader(p.store).calls().select(
-                    "workflow, request_id, model, t_end").fetchall()
+                rows = (
+                    StoreReader(p.store)
+                    .calls()
+                    .select("workflow, request_id, model, t_end")
+                    .fetchall()
+                )
                 if rows:
                     break
         assert rows == [("wf", "r1", "m", None)] and not call.done()
         await call
     got = await p.records()
     assert sorted((r["request_id"], r["t_end"] is None, r["status"] or 0) for r in got) == [
-        ("r1", False, 200), ("r1", True, 0)]
+        ("r1", False, 200),
+        ("r1", True, 0),
+    ]
     assert got[0]["t_start"] == got[1]["t_start"] and got[0]["call_id"] == got[1]["call_id"]

@@ -53,11 +53,17 @@ def test_prefix_affinity_follows_the_prefix_and_falls_back_when_busy() -> None:
 
 @pytest.mark.parametrize(("ratio", "sticks_at_35"), [(1.0, True), (0.0, False)])
 def test_under_heavy_load_affinity_tolerates_a_proportional_imbalance(
-        ratio: float, sticks_at_35: bool) -> None:
+    ratio: float, sticks_at_35: bool
+) -> None:
     """With 20 calls in flight everywhere, a fixed slack of 8 is crossed by ordinary swings;
     the load ratio lets a prefix stay home up to twice its peers' load, never beyond."""
-    r = _router(2, policy="prefix_affinity", prefix_block_chars=16, affinity_slack=8,
-                affinity_load_ratio=ratio)
+    r = _router(
+        2,
+        policy="prefix_affinity",
+        prefix_block_chars=16,
+        affinity_slack=8,
+        affinity_load_ratio=ratio,
+    )
     beam = "You are a careful math solver. " * 4 + "Problem 17: integrate x^2. Step 1:"
     home = r.pick("m", beam)
     other = next(rep for rep in r.replicas() if rep is not home)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from optimizer import cli as optimizer_cli
+from optimizer.cli import main as optimizer_cli
 from proxy import cli as proxy_cli
 from shared import logs
 from shared.version import version_text

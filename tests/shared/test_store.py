@@ -27,7 +27,9 @@ def _record(i: int, **kw: object) -> CallRecord:
 
 def test_write_then_read_typed(tmp_path: Path) -> None:
     writer = SegmentWriter(tmp_path, "p1")
-    path = writer.write([_record(i, prompt_tokens=i if i % 2 else None).row() for i in range(10)]).path
+    path = writer.write(
+        [_record(i, prompt_tokens=i if i % 2 else None).row() for i in range(10)]
+    ).path
     writer.close()
     assert path is not None and path.exists() and path.parent == segment_dir(tmp_path, "p1")
     rel = StoreReader(tmp_path).calls(1_002, 1_005)
@@ -77,12 +79,17 @@ def test_segments_use_the_fast_codec_and_older_zstd_ones_still_read(tmp_path: Pa
     writer.close()
     assert path is not None
     con = duckdb.connect()
-    codecs = {c for (c,) in con.execute(
-        f"SELECT DISTINCT compression FROM parquet_metadata('{path}')").fetchall()}
+    codecs = {
+        c
+        for (c,) in con.execute(
+            f"SELECT DISTINCT compression FROM parquet_metadata('{path}')"
+        ).fetchall()
+    }
     assert codecs == {"LZ4_RAW"}
     old = path.with_name("seg-0000000000000000-old-000000.parquet")
-    con.execute(f"COPY (SELECT * FROM read_parquet('{path}')) TO '{old}' "
-                "(FORMAT parquet, COMPRESSION zstd)")
+    con.execute(
+        f"COPY (SELECT * FROM read_parquet('{path}')) TO '{old}' (FORMAT parquet, COMPRESSION zstd)"
+    )
     reader = StoreReader(tmp_path)
     try:
         assert reader.calls().aggregate("count(*)").fetchall() == [(6,)]

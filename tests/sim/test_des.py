@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.stats import summarise_store
+from optimizer.stats.reader import summarise_store
 from shared.store import SegmentWriter, StoreReader
 from sim.cluster import Allocation, Router, build_replicas, place
 from sim.des import SimResult, Simulation, WorkflowResult, WorkloadSpec, simulate
@@ -18,8 +18,11 @@ from sim.perf import perf_model
 from sim.trace import call_rows, open_rows, write_trace
 from sim.workflows import BeamParams, FanoutParams, Prompt, RagParams
 
-RAG = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1, 0.3, 1),
-                    ("llama-3-8b", "a6000", 1, 1.0, 1))
+RAG = Allocation.of(
+    ("e5-base-v2", "a6000", 1, 0.2, 1),
+    ("bge-reranker-base", "a6000", 1, 0.3, 1),
+    ("llama-3-8b", "a6000", 1, 1.0, 1),
+)
 BEAM = Allocation.of(("llama-3.2-1b", "a6000", 1, 0.5, 2), ("llama-3.1-8b-prm", "a6000", 1, 1.0, 2))
 
 
@@ -35,11 +38,13 @@ def test_rag_calls_run_in_sequence_and_light_load_latency_is_their_sum() -> None
     assert res.label == "simulated"
     rag = res.workflows["rag"]
     assert rag.completed == 20 and rag.failed == 0
-    assert rag.calls_per_request == {"bge-reranker-base": 1.0, "e5-base-v2": 1.0,
-                                     "llama-3-8b": 1.0}
+    assert rag.calls_per_request == {"bge-reranker-base": 1.0, "e5-base-v2": 1.0, "llama-3-8b": 1.0}
     for calls in by_request(res).values():
-        assert [c.call.endpoint for c in calls] == ["/v1/embeddings", "/v1/rerank",
-                                                    "/v1/chat/completions"]
+        assert [c.call.endpoint for c in calls] == [
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/v1/chat/completions",
+        ]
         for a, b in itertools.pairwise(calls):
             assert b.t_start >= a.t_end
         assert calls[1].t_start - calls[0].t_end == pytest.approx(0.005)  # local search
@@ -60,9 +65,9 @@ def test_beam_iterations_fan_out_n_generator_then_n_verifier_calls() -> None:
         models = [c.call.model for c in calls]
         assert len(calls) % 8 == 0
         for it in range(0, len(calls), 8):  # 4 generator calls, then 4 verifier calls
-            assert models[it:it + 4] == ["llama-3.2-1b"] * 4
-            assert models[it + 4:it + 8] == ["llama-3.1-8b-prm"] * 4
-            gens, vers = calls[it:it + 4], calls[it + 4:it + 8]
+            assert models[it : it + 4] == ["llama-3.2-1b"] * 4
+            assert models[it + 4 : it + 8] == ["llama-3.1-8b-prm"] * 4
+            gens, vers = calls[it : it + 4], calls[it + 4 : it + 8]
             assert max(c.t_start for c in gens) < min(c.t_end for c in gens)  # overlapping
             assert min(c.t_start for c in vers) >= max(c.t_end for c in gens)
             assert all(c.call.output_tokens == 1 for c in vers)
@@ -79,19 +84,23 @@ def test_same_seed_same_result_and_fast_forward_changes_nothing_material() -> No
     c = simulate(BEAM, work, n_requests=15, seed=11, fast_forward=False)
     assert a.workflows == b.workflows
     assert a.events < c.events
-    assert a.workflows["beam"].latency.mean == pytest.approx(c.workflows["beam"].latency.mean,
-                                                            rel=0.03)
+    assert a.workflows["beam"].latency.mean == pytest.approx(
+        c.workflows["beam"].latency.mean, rel=0.03
+    )
     d = simulate(BEAM, work, n_requests=15, seed=12)
     assert d.workflows != a.workflows
 
 
 def test_overload_saturates_throughput_and_more_replicas_help() -> None:
     def rag(chat_replicas: int, rate: float, duration: float) -> WorkflowResult:
-        alloc = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1),
-                              ("bge-reranker-base", "a6000", 1, 0.3, 1),
-                              ("llama-3-8b", "a6000", 1, 1.0, chat_replicas))
-        res = simulate(alloc, [WorkloadSpec("rag", rate)], duration_s=duration,
-                       warmup_s=duration / 3, seed=1)
+        alloc = Allocation.of(
+            ("e5-base-v2", "a6000", 1, 0.2, 1),
+            ("bge-reranker-base", "a6000", 1, 0.3, 1),
+            ("llama-3-8b", "a6000", 1, 1.0, chat_replicas),
+        )
+        res = simulate(
+            alloc, [WorkloadSpec("rag", rate)], duration_s=duration, warmup_s=duration / 3, seed=1
+        )
         return res.workflows["rag"]
 
     light = rag(1, 2.0, 30)
@@ -106,12 +115,22 @@ def test_overload_saturates_throughput_and_more_replicas_help() -> None:
 
 
 def test_fanout_calls_two_models_in_parallel_and_workflows_mix() -> None:
-    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 1), ("llama-3-8b", "a6000", 1, 1.0, 1),
-                          ("e5-base-v2", "a6000", 1, 0.2, 1),
-                          ("bge-reranker-base", "a6000", 1, 0.3, 1))
-    res = simulate(alloc, [WorkloadSpec("fanout", 1.0, FanoutParams(rounds=(2, 2))),
-                           WorkloadSpec("rag", 1.0, name="rag-a")],
-                   n_requests=12, seed=2, record_calls=True)
+    alloc = Allocation.of(
+        ("llama-3.2-1b", "a6000", 1, 1.0, 1),
+        ("llama-3-8b", "a6000", 1, 1.0, 1),
+        ("e5-base-v2", "a6000", 1, 0.2, 1),
+        ("bge-reranker-base", "a6000", 1, 0.3, 1),
+    )
+    res = simulate(
+        alloc,
+        [
+            WorkloadSpec("fanout", 1.0, FanoutParams(rounds=(2, 2))),
+            WorkloadSpec("rag", 1.0, name="rag-a"),
+        ],
+        n_requests=12,
+        seed=2,
+        record_calls=True,
+    )
     assert set(res.workflows) == {"fanout", "rag-a"}
     assert res.workflows["fanout"].calls_per_request == {"llama-3-8b": 2.0, "llama-3.2-1b": 2.0}
     for rid, calls in by_request(res).items():
@@ -132,8 +151,11 @@ def test_requests_that_cannot_fit_fail_and_unknown_models_are_refused() -> None:
 
 
 def test_placement_packs_shares_and_co_located_replicas_contend() -> None:
-    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 0.5, 2), ("e5-base-v2", "a6000", 1, 0.3, 2),
-                          ("llama-3-8b", "a6000", 2, 1.0, 1))
+    alloc = Allocation.of(
+        ("llama-3.2-1b", "a6000", 1, 0.5, 2),
+        ("e5-base-v2", "a6000", 1, 0.3, 2),
+        ("llama-3-8b", "a6000", 2, 1.0, 1),
+    )
     assert alloc.gpus == pytest.approx(1.0 + 0.6 + 2.0)
     gpus = [g for _, g in place(alloc)]
     assert gpus[:2] == [(2,), (2,)] and gpus[2:4] == [(3,), (3,)] and gpus[4] == (0, 1)
@@ -144,8 +166,10 @@ def test_placement_packs_shares_and_co_located_replicas_contend() -> None:
     b.engine.submit(EngineRequest("x", Prompt(9, 64), 4))
     a.apply_contention()
     assert a.engine.perf.bandwidth_share == 0.5
-    assert a.engine.perf.step_time(0, 1, 64) > 1.5 * perf_model("llama-3.2-1b", "a6000",
-                                                               share=0.5).step_time(0, 1, 64) - 0.004
+    assert (
+        a.engine.perf.step_time(0, 1, 64)
+        > 1.5 * perf_model("llama-3.2-1b", "a6000", share=0.5).step_time(0, 1, 64) - 0.004
+    )
 
 
 def test_router_policies_balance_outstanding_calls() -> None:
@@ -264,8 +288,9 @@ def test_prefix_table_cuts_prompts_like_the_proxy() -> None:
 
 
 def test_default_routing_keeps_a_beam_on_its_replica_and_its_prefix_cache() -> None:
-    alloc = Allocation.of(("llama-3.2-1b", "a6000", 1, 1.0, 3),
-                          ("llama-3.1-8b-prm", "a6000", 1, 1.0, 3))
+    alloc = Allocation.of(
+        ("llama-3.2-1b", "a6000", 1, 1.0, 3), ("llama-3.1-8b-prm", "a6000", 1, 1.0, 3)
+    )
     work = [WorkloadSpec("beam", 0.5, BeamParams(max_iterations=6))]
     hits = {}
     for routing in ("p2c", "prefix_affinity"):
@@ -278,8 +303,11 @@ def test_default_routing_keeps_a_beam_on_its_replica_and_its_prefix_cache() -> N
 
 
 def test_run_time_hook_adds_withdraws_replicas_and_changes_rates() -> None:
-    one = Allocation.of(("e5-base-v2", "a6000", 1, 0.2, 1), ("bge-reranker-base", "a6000", 1, 0.3, 1),
-                        ("llama-3-8b", "a6000", 1, 1.0, 1))
+    one = Allocation.of(
+        ("e5-base-v2", "a6000", 1, 0.2, 1),
+        ("bge-reranker-base", "a6000", 1, 0.3, 1),
+        ("llama-3-8b", "a6000", 1, 1.0, 1),
+    )
     sim = Simulation(one, [WorkloadSpec("rag", 2.0)], seed=4, record_calls=True)
     first = sim.serving("llama-3-8b")[0]
     extra = build_replicas(Allocation.of(("llama-3-8b", "a6000", 1, 1.0, 1)))
@@ -323,8 +351,9 @@ def test_open_calls_make_queued_requests_visible(tmp_path: Path) -> None:
     running = sim.open_calls()
     assert running and all(c.t_end == -1.0 for c in running)
     assert len({c.call_id for c in running}) == len(running)
-    shell = SimResult("simulated", sim.seed, sim.now, 0.0, 0, (0.0, sim.now), {}, (),
-                      tuple(sim.trace))
+    shell = SimResult(
+        "simulated", sim.seed, sim.now, 0.0, 0, (0.0, sim.now), {}, (), tuple(sim.trace)
+    )
     finished = call_rows(shell, bodies=False)
     opened = open_rows(running, seed=sim.seed)
     assert not {r[0] for r in opened} & {r[0] for r in finished}  # all still running

@@ -86,13 +86,27 @@ def test_speedup_must_be_positive() -> None:
         EngineDriver(EngineCore(perf_model("llama-3.2-1b", "a100")), speedup=0)
 
 
-
-
 def test_cli_serves_and_stops_gracefully() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "--model", "e5-base-v2",
-                             "--gpu", "a6000", "--share", "0.3", "--port", str(port),
-                             "--speedup", "10"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sim.cli",
+            "--model",
+            "e5-base-v2",
+            "--gpu",
+            "a6000",
+            "--share",
+            "0.3",
+            "--port",
+            str(port),
+            "--speedup",
+            "10",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -113,6 +127,10 @@ def test_cli_serves_and_stops_gracefully() -> None:
 
 
 def test_cli_rejects_bad_flags_in_one_line() -> None:
-    out = subprocess.run([sys.executable, "-m", "sim.cli", "--model", "llama-3-8b",
-                          "--speedup", "-1"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "--model", "llama-3-8b", "--speedup", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 2 and "speedup" in out.stderr and "Traceback" not in out.stderr

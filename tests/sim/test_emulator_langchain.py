@@ -10,9 +10,15 @@ from sim.serving import EmulatorConfig
 
 async def test_chat_openai_invoke_and_stream() -> None:
     async with serving(EmulatorConfig(model="llama-3-8b", speedup=1000.0)) as srv:
-        llm = ChatOpenAI(base_url=srv.base_url, api_key="x",  # type: ignore[arg-type, call-arg]
-                         model="llama-3-8b", max_tokens=12, seed=5, max_retries=0,
-                         default_headers={"X-Scepsy-Workflow": "lc"})
+        llm = ChatOpenAI(
+            base_url=srv.base_url,
+            api_key="x",  # type: ignore[arg-type, call-arg]
+            model="llama-3-8b",
+            max_tokens=12,
+            seed=5,
+            max_retries=0,
+            default_headers={"X-Scepsy-Workflow": "lc"},
+        )
         whole = await llm.ainvoke("Name three prime numbers.")
         assert isinstance(whole.content, str) and whole.content
         assert whole.response_metadata.get("system_fingerprint") == "scepsy-emulated"

@@ -247,8 +247,11 @@ def _open_loop(perf: PerfModel, rate: float, horizon: float, prompt: int, out: i
     return finished / (horizon / 2)
 
 
-@pytest.mark.parametrize(("perf", "out"), [(perf_model("llama-3.2-1b", "a6000"), 40),
-                                           (tiny_gpu(4096), 200)], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(
+    ("perf", "out"),
+    [(perf_model("llama-3.2-1b", "a6000"), 40), (tiny_gpu(4096), 200)],
+    ids=["roomy", "preempting"],
+)
 def test_sustained_overload_keeps_throughput_at_saturation(perf: PerfModel, out: int) -> None:
     # Saturation: a backlog that never empties. Twice that rate must not thrash: running
     # requests keep decoding, new ones wait, preemption (tiny KV) evicts the newest only.

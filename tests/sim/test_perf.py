@@ -30,7 +30,11 @@ def test_small_model_decode_is_dominated_by_step_overhead(gpu: str, roofline_ms:
 
 def test_decode_stays_nearly_flat_to_batch_8_then_grows() -> None:
     p = perf_model("llama-3-8b", "a100")
-    one, eight, big = p.step_time(0, 1, 512), p.step_time(0, 8, 8 * 512), p.step_time(0, 128, 128 * 512)
+    one, eight, big = (
+        p.step_time(0, 1, 512),
+        p.step_time(0, 8, 8 * 512),
+        p.step_time(0, 128, 128 * 512),
+    )
     assert 8 * one / eight == pytest.approx(6.6, rel=0.15)  # cal: 6.6x throughput at concurrency 8
     assert big > 2 * eight
 
@@ -92,8 +96,9 @@ def test_gpu_share_slowdowns_follow_the_mps_table(row: str) -> None:
 
 
 def test_small_shares_extrapolate_past_the_table() -> None:
-    assert share_slowdown(0.1, 1024, 0, 0) == pytest.approx(3 * share_slowdown(0.3, 1024, 0, 0),
-                                                           rel=0.1)
+    assert share_slowdown(0.1, 1024, 0, 0) == pytest.approx(
+        3 * share_slowdown(0.3, 1024, 0, 0), rel=0.1
+    )
     assert 1.41 < share_slowdown(0.1, 0, 1, 128) < 3.0
 
 

@@ -1,0 +1,426 @@
+"""Change detection and the rollout decision of the optimizer daemon (pure).
+
+Role: DESIGN §3.8's "detect change → ... → if infeasible or the gain beats a threshold and the
+cooldown has passed → roll out", as two pure steps over frozen values, so that fake-time tests
+can drive them with any sequence of windows:
+
+1. :func:`detect` compares one window's :class:`Snapshot` with the *baseline* (the snapshot the
+   running allocation was planned or last judged for) and returns the changes: the first trusted
+   traffic ever (``initial``), a new workflow or a new model in a workflow (at once), and, only
+   once they held for ``windows_to_confirm`` consecutive windows, a rate shift past
+   ``rate_change_threshold`` (in one direction: a streak resets when the sign flips), a token
+   length drift, or observed latency straying from the running allocation's prediction
+   (checked only on windows starting after the last rollout ended). A confirmed change means
+   "search again".
+2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
+   allocation's and the proposal's predicted latency at the observed rate, and how much of
+   the allocation the move restarts) and decides. A rollout happens only after the cooldown, and
+   only when the running allocation cannot serve the traffic, or when the rate-weighted relative
+   gain is at least ``min_gain`` *and* the request-seconds it saves over ``horizon_s`` outweigh
+   the move's cost. The cost (assumed model): for ``cold_start_s`` the moved fraction of the
+   allocation is not serving, so that fraction of the traffic pays its current latency again.
+
+Invariants:
+- every call returns a :class:`Decision` (taken or not) with human-readable reasons;
+- no oscillation: a rollout, a decision to keep the running allocation, or a proposal equal to
+  it re-bases the baseline on the window it was judged for and clears every streak, so one
+  shift is acted on once (a workflow with too few completed requests in that window keeps
+  what the baseline knew of it, at the window's rate); a hold for cooldown keeps the
+  streaks, so it is acted on after it;
+- nothing here reads a clock or a file: time is the snapshot's ``t`` (seconds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Literal
+
+from optimizer.stats.figures import WorkflowStats
+from shared.optimizer_settings import OptimizerSettings
+
+__all__ = [
+    "Change",
+    "Decision",
+    "DecisionKind",
+    "Detection",
+    "DetectorState",
+    "ModelObs",
+    "Outlook",
+    "Proposal",
+    "Snapshot",
+    "WorkflowObs",
+    "after_rollout",
+    "detect",
+    "failed",
+    "judge",
+    "keep_running",
+    "snapshot_from_stats",
+]
+
+ChangeKind = Literal[
+    "initial", "new_workflow", "new_model", "rate_shift", "token_drift", "latency_drift"
+]
+DecisionKind = Literal[
+    "no_data",  # no workflow has enough completed requests yet
+    "steady",  # nothing changed
+    "pending",  # a change was seen, not yet for windows_to_confirm windows
+    "unchanged",  # searched again: the best allocation is the running one
+    "hold_cooldown",  # worth acting on, but the last rollout was too recent
+    "hold_gain",  # the new allocation does not gain enough to pay for the move
+    "rollout",  # roll the proposal out
+    "error",  # the search, placement or rollout failed (reasons say why)
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelObs:
+    n: float  # calls per request
+    p: float  # request-level parallelism
+    prompt_tokens: float  # mean per call (nan: unknown)
+    completion_tokens: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowObs:
+    workflow: str
+    rate: float  # arrivals per second in the window
+    requests: int  # completed requests in the window
+    latency: float  # observed mean request latency (s)
+    models: Mapping[str, ModelObs]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One window of traffic as the detector sees it; ``t`` is the window's end (s)."""
+
+    t: float
+    window_s: float
+    workflows: Mapping[str, WorkflowObs]
+
+    def trusted(self, min_requests: int) -> dict[str, WorkflowObs]:
+        return {k: w for k, w in self.workflows.items() if w.requests >= min_requests}
+
+
+def snapshot_from_stats(t: float, window_s: float, stats: Mapping[str, WorkflowStats]) -> Snapshot:
+    """The detector's view of :func:`optimizer.stats.reader.summarise` output."""
+    flows = {}
+    for name, ws in stats.items():
+        if ws.arrivals == 0 and ws.requests == 0:
+            continue
+        models = {
+            m: ModelObs(ms.n, ms.p_agg, ms.prompt_tokens.mean, ms.completion_tokens.mean)
+            for m, ms in ws.models.items()
+        }
+        flows[name] = WorkflowObs(
+            name, ws.arrival_rate, ws.requests, ws.latency_mean, MappingProxyType(models)
+        )
+    return Snapshot(t, window_s, MappingProxyType(flows))
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    kind: ChangeKind
+    workflow: str
+    model: str | None
+    relative: float  # the relative change that triggered it (nan where not a ratio)
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorState:
+    """What the detector remembers between windows."""
+
+    baseline: Snapshot | None = None  # what the running allocation was judged for
+    streaks: Mapping[str, int] = field(default_factory=dict)  # signal key -> windows in a row
+    last_rollout_end: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Detection:
+    t: float
+    changes: tuple[Change, ...]  # confirmed: search again
+    pending: tuple[Change, ...]  # seen, not yet confirmed
+    streaks: Mapping[str, int]
+    snapshot: Snapshot
+
+    @property
+    def act(self) -> bool:
+        return bool(self.changes)
+
+
+def _rel(new: float, old: float) -> float:
+    if not (math.isfinite(new) and math.isfinite(old)):
+        return math.nan
+    if old == 0.0:
+        return 0.0 if new == 0.0 else math.inf
+    return (new - old) / old
+
+
+def detect(
+    state: DetectorState,
+    snap: Snapshot,
+    cfg: OptimizerSettings,
+    predicted_now: Mapping[str, float] | None = None,
+) -> Detection:
+    """Changes of ``snap`` against the baseline; ``predicted_now``: per workflow, the running
+    allocation's predicted latency at the snapshot's rate (for the latency-drift check)."""
+    trusted = snap.trusted(cfg.min_requests)
+    base = state.baseline
+    if base is None:
+        changes = tuple(
+            Change(
+                "initial",
+                w,
+                None,
+                math.nan,
+                f"{w}: first trusted window ({o.requests} requests, {o.rate:.3g}/s)",
+            )
+            for w, o in sorted(trusted.items())
+        )
+        return Detection(snap.t, changes, (), {}, snap)
+    now: list[Change] = []
+    seen: list[tuple[str, Change]] = []  # (streak key, change) past a threshold this window
+    for w, o in sorted(trusted.items()):
+        if w not in base.workflows:
+            now.append(
+                Change(
+                    "new_workflow",
+                    w,
+                    None,
+                    math.nan,
+                    f"{w}: new workflow ({o.requests} requests, {o.rate:.3g}/s)",
+                )
+            )
+            continue
+        old = base.workflows[w]
+        for m in sorted(set(o.models) - set(old.models)):
+            now.append(Change("new_model", w, m, math.nan, f"{w}: now calls {m}"))
+        for m in sorted(set(o.models) & set(old.models)):
+            for what in ("prompt_tokens", "completion_tokens"):
+                r = _rel(getattr(o.models[m], what), getattr(old.models[m], what))
+                if math.isfinite(r) and abs(r) > cfg.token_drift_threshold:
+                    seen.append(
+                        (
+                            f"tokens:{w}:{m}:{what}",
+                            Change(
+                                "token_drift",
+                                w,
+                                m,
+                                r,
+                                f"{w}/{m}: mean {what.replace('_', ' ')} "
+                                f"{getattr(old.models[m], what):.0f} -> {getattr(o.models[m], what):.0f}",
+                            ),
+                        )
+                    )
+        pred = (predicted_now or {}).get(w)
+        after = state.last_rollout_end is None or snap.t - snap.window_s >= state.last_rollout_end
+        if pred is not None and after and math.isfinite(pred):
+            r = _rel(o.latency, pred)
+            if math.isfinite(r) and abs(r) > cfg.latency_drift_threshold:
+                seen.append(
+                    (
+                        f"latency:{w}",
+                        Change(
+                            "latency_drift",
+                            w,
+                            None,
+                            r,
+                            f"{w}: observed latency {o.latency:.3g}s vs predicted {pred:.3g}s",
+                        ),
+                    )
+                )
+    for w, old in sorted(base.workflows.items()):
+        if old.requests < cfg.min_requests and w not in trusted:
+            continue  # a trickle (an index build, a probe) is not traffic to plan for
+        rate = snap.workflows[w].rate if w in snap.workflows else 0.0
+        r = _rel(rate, old.rate)
+        if abs(r) > cfg.rate_change_threshold:
+            sign = "+" if r > 0 else "-"
+            seen.append(
+                (
+                    f"rate{sign}:{w}",
+                    Change(
+                        "rate_shift",
+                        w,
+                        None,
+                        r,
+                        f"{w}: arrival rate {old.rate:.3g}/s -> {rate:.3g}/s ({r:+.0%})",
+                    ),
+                )
+            )
+    streaks: dict[str, int] = {}
+    for key, _ in seen:
+        streaks[key] = state.streaks.get(key, 0) + 1
+    confirmed = [c for key, c in seen if streaks[key] >= cfg.windows_to_confirm]
+    pending = [
+        replace(c, reason=f"{c.reason} [{streaks[key]}/{cfg.windows_to_confirm} windows]")
+        for key, c in seen
+        if streaks[key] < cfg.windows_to_confirm
+    ]
+    return Detection(
+        snap.t, tuple(now + confirmed), tuple(pending), MappingProxyType(streaks), snap
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """One workflow at the observed rate: the running allocation's and the proposal's
+    predicted latency (``inf``: cannot serve it, or not allocated at all)."""
+
+    workflow: str
+    rate: float
+    current: float
+    proposed: float
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What the search proposes, as the decision needs it."""
+
+    outlook: tuple[Outlook, ...]
+    feasible: bool  # the proposal covers every workflow's rate with headroom
+    moved_fraction: float  # replicas the move starts / replicas of the proposal, in [0, 1]
+    same: bool  # the proposal is what runs (its plan has no steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    t: float
+    kind: DecisionKind
+    reasons: tuple[str, ...]
+    changes: tuple[Change, ...] = ()
+    gain: float | None = None  # rate-weighted relative latency gain
+    benefit_s: float | None = None  # request-seconds saved over the horizon
+    cost_s: float | None = None  # request-seconds the move costs
+
+    @property
+    def taken(self) -> bool:
+        return self.kind == "rollout"
+
+
+def _weighted(outlook: tuple[Outlook, ...], which: Literal["current", "proposed"]) -> float:
+    total = sum(o.rate for o in outlook)
+    if total <= 0:
+        return math.inf
+    return sum(o.rate * (o.current if which == "current" else o.proposed) for o in outlook) / total
+
+
+def _rebased(state: DetectorState, det: Detection, min_requests: int) -> DetectorState:
+    """The baseline becomes the judged window, except that a workflow trusted before and not
+    in it (too few of its requests completed: under overload they all outlast the window)
+    keeps what was known of it, with the window's rate: its models, tokens and completed
+    count stay comparable, so they do not come back as "new" once requests complete again."""
+    snap, base = det.snapshot, state.baseline
+    kept = (
+        {}
+        if base is None
+        else {
+            w: replace(old, rate=o.rate)
+            for w, o in snap.workflows.items()
+            if o.requests < min_requests
+            and (old := base.workflows.get(w)) is not None
+            and old.requests >= min_requests
+        }
+    )
+    if kept:
+        snap = replace(snap, workflows=MappingProxyType({**snap.workflows, **kept}))
+    return replace(state, baseline=snap, streaks=MappingProxyType({}))
+
+
+def judge(
+    state: DetectorState, det: Detection, proposal: Proposal | None, cfg: OptimizerSettings
+) -> tuple[Decision, DetectorState]:
+    """The decision for one window, and the detector state to carry to the next.
+
+    ``proposal`` is needed only when ``det.act``; the caller searches only then."""
+    reasons = tuple(c.reason for c in det.changes)
+    keep = replace(state, streaks=det.streaks)
+    if not det.act:
+        if state.baseline is None:
+            return Decision(
+                det.t,
+                "no_data",
+                (f"no workflow has {cfg.min_requests} completed requests in the window yet",),
+            ), keep
+        if det.pending:
+            return Decision(
+                det.t, "pending", tuple(c.reason for c in det.pending), det.pending
+            ), keep
+        return Decision(det.t, "steady", ("no change past the thresholds",)), keep
+    if proposal is None:
+        raise ValueError("a confirmed change needs a proposal to judge")
+    if state.last_rollout_end is not None and det.t - state.last_rollout_end < cfg.cooldown_s:
+        left = cfg.cooldown_s - (det.t - state.last_rollout_end)
+        return Decision(
+            det.t, "hold_cooldown", (*reasons, f"cooldown: {left:.0f}s left"), det.changes
+        ), keep
+    if proposal.same:
+        return Decision(
+            det.t, "unchanged", (*reasons, "the best allocation is the running one"), det.changes
+        ), _rebased(state, det, cfg.min_requests)
+    current = _weighted(proposal.outlook, "current")
+    proposed = _weighted(proposal.outlook, "proposed")
+    if not math.isfinite(current):
+        short = [o.workflow for o in proposal.outlook if not math.isfinite(o.current)]
+        why = f"the running allocation cannot serve {', '.join(short)} at the observed rate"
+        if not proposal.feasible and not math.isfinite(proposed):
+            why += " (neither can the proposal: it serves as much as the cluster allows)"
+        return (
+            Decision(det.t, "rollout", (*reasons, why), det.changes),
+            _rebased(state, det, cfg.min_requests),
+        )
+    gain = (current - proposed) / current if current > 0 else 0.0
+    benefit = cfg.horizon_s * sum(o.rate * (o.current - o.proposed) for o in proposal.outlook)
+    cost = (
+        cfg.cold_start_s
+        * proposal.moved_fraction
+        * sum(o.rate * o.current for o in proposal.outlook)
+    )
+    figures = (
+        f"predicted latency {current:.3g}s -> {proposed:.3g}s ({gain:+.0%}); saves "
+        f"{benefit:.3g} request-s over {cfg.horizon_s:.0f}s against a move cost of "
+        f"{cost:.3g} request-s ({proposal.moved_fraction:.0%} of replicas restart)"
+    )
+    if gain >= cfg.min_gain and benefit > cost:
+        kind: DecisionKind = "rollout"
+    else:
+        kind = "hold_gain"
+        figures += (
+            f"; below min_gain {cfg.min_gain:.0%}"
+            if gain < cfg.min_gain
+            else "; the move costs more than it saves"
+        )
+    return (
+        Decision(det.t, kind, (*reasons, figures), det.changes, gain, benefit, cost),
+        _rebased(state, det, cfg.min_requests),
+    )
+
+
+def keep_running(
+    state: DetectorState, det: Detection, why: str, cfg: OptimizerSettings
+) -> tuple[Decision, DetectorState]:
+    """Nothing to plan for (every workflow went quiet): what runs stays, judged for now."""
+    return (
+        Decision(det.t, "unchanged", (*(c.reason for c in det.changes), why), det.changes),
+        _rebased(state, det, cfg.min_requests),
+    )
+
+
+def failed(state: DetectorState, det: Detection, reason: str) -> tuple[Decision, DetectorState]:
+    """The search or placement failed: record why, keep the streaks (retry next window)."""
+    return (
+        Decision(det.t, "error", (*(c.reason for c in det.changes), reason), det.changes),
+        replace(state, streaks=det.streaks),
+    )
+
+
+def after_rollout(
+    decided: DetectorState, before: DetectorState, t_end: float, ok: bool
+) -> DetectorState:
+    """State once a rollout ended at ``t_end``: ``decided`` (judge's) when it succeeded; when
+    it failed, the state from before it (so the change is retried), both with the cooldown
+    running from ``t_end``."""
+    return replace(decided if ok else before, last_rollout_end=t_end)

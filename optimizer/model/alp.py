@@ -1,0 +1,360 @@
+"""The Aggregate LLM Pipeline: a workflow's latency and throughput under an allocation.
+
+Role: paper §4 eqs. 1-2, DESIGN §1. A workflow becomes one stage per LLM ``m`` with ``n_m``
+calls per request and request-level parallelism ``p_m``; with ``d_m`` replicas of a profile
+``(t_m, s_m)``:
+
+    stage latency   L_wm = L_m(λ_w · n_m / d_m) · n_m / p_m
+    latency         L_w  = Σ_m L_wm - Σ_(m,m') overlap(L_wm, L_wm') + tool_time
+    throughput      T_w  = min_m d_m · T_m / n_m        (the argmin is the bottleneck)
+
+Beyond the paper: calls fanned out across *different* LLMs are not added as if serial. Per
+pair of stages whose calls ran at once in the traced requests (``overlaps``), the time both
+run is taken off the stage sum, and it is scaled with load as a fork-join of two independent
+branches of exponentially distributed lengths ``x`` and ``y`` (the stages' contributions)
+would, whose mean longest branch is ``x + y - xy/(x+y)``: the overlap is
+``coupling · xy/(x+y)``, at most the shorter stage, where ``coupling`` (traced overlap over
+``xy/(x+y)`` of the traced busy times) makes it exact at the traced load. So when one stage
+queues, the other, running beside it, stays hidden rather than shrinking the total: a single
+traced ratio (``overlap``: mean critical path / mean Σ per-model busy time) multiplied the
+slow stage's queueing by it, and put fan-out's 1B + 8B workflow 19% under the simulated
+latency at 80% load with a second 1B replica that changes nothing (``bench.accuracy.alp_accuracy``;
+over fan-out's 40 points at <= 80% load, on the same simulations, scaling the overlap by the
+smaller stage's growth misses by up to 20%, keeping the traced fraction of the shorter stage
+by up to 14%, this rule by 8.3%). Three models at once are counted pairwise, and the path is
+never shorter than its longest stage. ``overlap`` still stands in where no pairs are known (a
+scenario file's workflow) and for the allocation search's budget curves, which rank
+allocations by their stage sum. ``tool_time`` (mean uncovered time inside a request) is a
+fixed, load-independent stage.
+
+Also beyond the paper, ``pooling``: ``d`` replicas behind a load-balancing router serve a
+call faster than one replica at ``λ/d`` (the paper's model), because the router puts a
+freely routed call on the replica with the fewest calls in flight, so it shares a smaller
+batch and a shorter queue than the average. A continuous-batching replica serves its calls
+together (processor sharing) and a placed call never moves, so the gain is far below a shared
+FCFS queue's: the excess of ``L_m`` over the profile's light-load latency is scaled by the
+M/M/c to M/M/1 waiting-time ratio at the same utilisation ``rho`` (Sakasegawa's
+approximation, ``rho^(sqrt(2(d+1)) - 2) / d``; 1 for one replica) raised to
+``POOLING_EXPONENT``. Only calls the router places freely gain: a request's later calls
+follow its prompt prefix to the replica that holds it (prefix affinity), so ``1 / n_m`` of a
+stage's calls pool. Measured against the simulator (``bench.accuracy.alp_accuracy``, 30 multi-replica
+RAG points): the full ratio on the convex part above a light-load trend line, as before,
+put 3-4 generator replicas at 80% load 15-30% under their simulated latency, and no pooling
+put them 20-50% over; this rule puts them within 10% (one point 19%).
+
+``p_m`` is the ratio-of-totals parallelism (``ModelStats.p_agg``) by default: with it,
+``n_m · L_m / p_m`` equals the mean per-request busy time of ``m`` at the traced load, so the
+prediction reproduces the trace's mean latency there; the paper's per-request average ``p``
+is available as ``parallelism="paper"``.
+
+Invariants: pure functions over frozen dataclasses, no I/O. A rate at or beyond any stage's
+capacity gives latency ``inf``. Stages whose profile was scaled from another GPU share are
+flagged (``scaled_from``). :func:`predict_many` evaluates a batch of allocations with numpy
+(100 000 in well under a second), grouping candidates by each model's (TP, share) profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from optimizer.model.curves import Profile, ProfileBook, Stat
+from optimizer.stats.figures import WorkflowStats
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+# how much of a shared queue's pooling gain d replicas behind the router get (see above)
+POOLING_EXPONENT = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    model: str
+    n: float  # calls per workflow request
+    p: float  # request-level parallelism (>= 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Stages ``a`` and ``b`` run calls at the same time within a request; ``coupling`` is
+    their traced time together over ``xy/(x+y)`` of their traced busy times (in (0, 2])."""
+
+    a: str
+    b: str
+    coupling: float
+
+    @classmethod
+    def traced(
+        cls, a: str, b: str, together: float, busy_a: float, busy_b: float
+    ) -> Overlap | None:
+        """From the mean time both ran per request and each one's mean busy time (s); ``None``
+        when any of them is not a positive number."""
+        if not all(math.isfinite(v) and v > 0 for v in (together, busy_a, busy_b)):
+            return None
+        return cls(a, b, together / (busy_a * busy_b / (busy_a + busy_b)))
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A workflow as the ALP sees it."""
+
+    workflow: str
+    stages: tuple[Stage, ...]
+    overlap: float = 1.0  # critical path / Σ per-model busy time, in (0, 1] (see above)
+    tool_time: float = 0.0  # seconds per request spent outside any LLM call
+    overlaps: tuple[Overlap, ...] = ()  # pairs of stages whose calls run at once
+
+    @classmethod
+    def from_stats(
+        cls,
+        stats: WorkflowStats,
+        parallelism: Literal["agg", "paper"] = "agg",
+        cross_model_overlap: bool = True,
+        tool_stage: bool = True,
+    ) -> Pipeline:
+        pairs = [
+            Overlap.traced(a, b, t, stats.models[a].busy_mean, stats.models[b].busy_mean)
+            for (a, b), t in stats.overlaps.items()
+            if a in stats.models and b in stats.models
+        ]
+        return cls.from_figures(
+            stats.workflow,
+            {
+                ms.model: (ms.n, ms.p_agg if parallelism == "agg" else ms.p)
+                for ms in stats.models.values()
+            },
+            overlap=stats.overlap_factor if cross_model_overlap else 1.0,
+            tool_time=stats.tool_time_mean if tool_stage else 0.0,
+            overlaps=[o for o in pairs if o is not None] if cross_model_overlap else (),
+        )
+
+    @classmethod
+    def from_figures(
+        cls,
+        workflow: str,
+        models: Mapping[str, tuple[float, float]],
+        overlap: float = 1.0,
+        tool_time: float = 0.0,
+        overlaps: Sequence[Overlap] = (),
+    ) -> Pipeline:
+        """From per-model ``(n, p)`` and the workflow's overlap, tool time and overlapping
+        pairs, as statistics report them (a JSON report's, say): a ``p`` below 1 or not
+        finite counts as 1, an overlap that is not a positive number as 1, a tool time that
+        is not as 0; a pair naming a model without a stage, or with a coupling that is not
+        a positive number, is dropped."""
+        return cls(
+            workflow=workflow,
+            stages=tuple(
+                Stage(m, n, p if math.isfinite(p) and p >= 1.0 else 1.0)
+                for m, (n, p) in models.items()
+            ),
+            overlap=overlap if math.isfinite(overlap) and overlap > 0 else 1.0,
+            tool_time=tool_time if math.isfinite(tool_time) and tool_time > 0 else 0.0,
+            overlaps=tuple(
+                o
+                for o in overlaps
+                if o.a in models
+                and o.b in models
+                and o.a != o.b
+                and math.isfinite(o.coupling)
+                and o.coupling > 0
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelAlloc:
+    """One model's share of an allocation: ``replicas`` copies at TP ``tp``, each on ``share``
+    of each of its ``tp`` GPUs."""
+
+    replicas: int
+    tp: int = 1
+    share: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrediction:
+    model: str
+    call_rate: float  # calls per second per replica
+    call_latency: float  # L_m at that rate (s)
+    contribution: float  # L_wm = call_latency · n / p (s), before overlaps are taken off
+    capacity: float  # d · T_m / n: workflow requests per second this stage sustains
+    utilisation: float  # rate / capacity
+    scaled_from: float | None  # the measured share this stage's profile was scaled from
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    workflow: str
+    rate: float  # workflow requests per second
+    latency: float  # predicted mean (or percentile) latency (s); inf when overloaded
+    throughput: float  # T_w
+    bottleneck: str  # the stage with the least capacity
+    stages: tuple[StagePrediction, ...]
+    stat: Stat
+
+    @property
+    def feasible(self) -> bool:
+        return self.rate < self.throughput
+
+
+def pooling_factor(rho: npt.ArrayLike, replicas: npt.ArrayLike) -> FloatArray:
+    """Waiting time of ``d`` pooled servers relative to one server, both at utilisation
+    ``rho`` (Sakasegawa: ``Lq(M/M/c) ≈ rho^sqrt(2(c+1)) / (1-rho)``); exactly 1 for ``d = 1``."""
+    d = np.maximum(np.asarray(replicas, dtype=np.float64), 1.0)
+    r = np.clip(np.asarray(rho, dtype=np.float64), 1e-9, 1.0)
+    return np.asarray(r ** (np.sqrt(2.0 * (d + 1.0)) - 2.0) / d, dtype=np.float64)
+
+
+def _stage_latency(
+    prof: Profile,
+    call_rate: npt.ArrayLike,
+    replicas: npt.ArrayLike,
+    stat: Stat,
+    pooling: bool,
+    calls_per_request: float,
+) -> FloatArray:
+    lat = prof.latency(call_rate, stat)
+    if not pooling:
+        return lat
+    rho = np.asarray(call_rate, dtype=np.float64) / prof.saturation
+    free = 1.0 / max(1.0, calls_per_request)  # calls the router places freely (see above)
+    with np.errstate(invalid="ignore"):
+        excess = np.maximum(lat - float(prof.lat[stat][0]), 0.0)
+        gain = 1.0 - pooling_factor(rho, replicas) ** POOLING_EXPONENT
+        pooled = lat - free * excess * gain
+    return np.asarray(np.where(np.isfinite(lat), pooled, lat), dtype=np.float64)
+
+
+def critical_path(pipeline: Pipeline, contribution: npt.ArrayLike) -> FloatArray:
+    """Per candidate, the mean time a request spends in LLM calls, from its stages'
+    contributions (a (C, M) array in stage order; see the module docstring). Infinite where
+    any contribution is."""
+    c = np.asarray(contribution, dtype=np.float64)
+    total = c.sum(axis=1)
+    if not pipeline.overlaps:
+        return np.asarray(pipeline.overlap * total, dtype=np.float64)
+    column = {st.model: j for j, st in enumerate(pipeline.stages)}
+    for o in pipeline.overlaps:
+        x, y = c[:, column[o.a]], c[:, column[o.b]]
+        shorter = np.minimum(x, y)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            both = np.minimum(o.coupling * x * y / (x + y), shorter)
+        # both stages idle (0/0), or one unbounded (the total is already inf): nothing to take
+        total = total - np.where(np.isfinite(both), both, 0.0)
+    return np.asarray(np.maximum(total, c.max(axis=1, initial=0.0)), dtype=np.float64)
+
+
+def predict(
+    pipeline: Pipeline,
+    book: ProfileBook,
+    allocation: Mapping[str, ModelAlloc],
+    rate: float,
+    stat: Stat = "mean",
+    pooling: bool = True,
+) -> Prediction:
+    """Latency and throughput of ``pipeline`` at ``rate`` requests/s under ``allocation``."""
+    stages = []
+    for st in pipeline.stages:
+        alloc = allocation[st.model]
+        prof = book.lookup(st.model, alloc.tp, alloc.share)
+        call_rate = rate * st.n / alloc.replicas
+        call_latency = float(_stage_latency(prof, call_rate, alloc.replicas, stat, pooling, st.n))
+        capacity = alloc.replicas * prof.saturation / st.n if st.n > 0 else math.inf
+        stages.append(
+            StagePrediction(
+                model=st.model,
+                call_rate=call_rate,
+                call_latency=call_latency,
+                contribution=call_latency * st.n / st.p,
+                capacity=capacity,
+                utilisation=rate / capacity if capacity > 0 else math.inf,
+                scaled_from=prof.scaled_from,
+            )
+        )
+    neck = min(stages, key=lambda s: s.capacity)
+    path = critical_path(pipeline, [[s.contribution for s in stages]])
+    latency = float(path[0]) + pipeline.tool_time
+    return Prediction(
+        workflow=pipeline.workflow,
+        rate=rate,
+        latency=latency if math.isfinite(latency) else math.inf,
+        throughput=neck.capacity,
+        bottleneck=neck.model,
+        stages=tuple(stages),
+        stat=stat,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPrediction:
+    """Predictions for C candidate allocations over the pipeline's M stages (stage order)."""
+
+    latency: FloatArray  # (C,)
+    throughput: FloatArray  # (C,)
+    bottleneck: IntArray  # (C,) index into pipeline.stages
+    contribution: FloatArray  # (C, M)
+    scaled: npt.NDArray[np.bool_]  # (C, M): the stage's profile was scaled from another share
+
+
+def predict_many(
+    pipeline: Pipeline,
+    book: ProfileBook,
+    rate: float,
+    replicas: npt.ArrayLike,
+    tp: npt.ArrayLike,
+    share: npt.ArrayLike,
+    stat: Stat = "mean",
+    pooling: bool = True,
+) -> BatchPrediction:
+    """Vectorised :func:`predict`: ``replicas``, ``tp``, ``share`` are (C, M) arrays, column
+    ``j`` for ``pipeline.stages[j]``."""
+    d = np.asarray(replicas, dtype=np.float64)
+    t = np.asarray(tp, dtype=np.int64)
+    s = np.asarray(share, dtype=np.float64)
+    if (
+        d.ndim != 2
+        or d.shape[1] != len(pipeline.stages)
+        or t.shape != d.shape
+        or s.shape != d.shape
+    ):
+        raise ValueError(f"allocations must be (C, {len(pipeline.stages)}) arrays")
+    n_cand, n_stage = d.shape
+    contribution = np.empty((n_cand, n_stage))
+    capacity = np.empty((n_cand, n_stage))
+    scaled = np.zeros((n_cand, n_stage), dtype=bool)
+    for j, st in enumerate(pipeline.stages):
+        # Shares are compared after rounding so float noise does not split a group.
+        s_key = np.round(s[:, j], 6)
+        pairs, inverse = np.unique(
+            np.stack([t[:, j].astype(np.float64), s_key], axis=1), axis=0, return_inverse=True
+        )
+        inverse = inverse.reshape(-1)
+        profiles: list[Profile] = [book.lookup(st.model, int(a), float(b)) for a, b in pairs]
+        sat = np.array([p.saturation for p in profiles])[inverse]
+        capacity[:, j] = d[:, j] * sat / st.n if st.n > 0 else np.inf
+        call_rate = rate * st.n / d[:, j]
+        lat = np.empty(n_cand)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(profiles) + 1))
+        for g, prof in enumerate(profiles):
+            rows = order[bounds[g] : bounds[g + 1]]
+            lat[rows] = _stage_latency(prof, call_rate[rows], d[rows, j], stat, pooling, st.n)
+            scaled[rows, j] = prof.scaled_from is not None
+        contribution[:, j] = lat * st.n / st.p
+    neck = np.argmin(capacity, axis=1)
+    throughput = capacity[np.arange(n_cand), neck]
+    latency = critical_path(pipeline, contribution) + pipeline.tool_time
+    latency = np.where(rate >= throughput, np.inf, latency)
+    return BatchPrediction(
+        latency=latency,
+        throughput=throughput,
+        bottleneck=neck,
+        contribution=contribution,
+        scaled=scaled,
+    )

@@ -1,0 +1,231 @@
+"""Exhaustive reference solver for the allocation search, for small instances.
+
+Role: prove (or show exactly where not) that :mod:`optimizer.search.solve` finds the optimum of the
+space :mod:`optimizer.search.space` defines. It shares only the space's rules with the search;
+everything else is brute force: every units vector ``u >= 1`` with ``Σ u <= budget``, packed in
+the same order, every configuration of every LLM's run on the GPU line
+(:func:`optimizer.search.space.run_configs`), the full cartesian product across LLMs, the rules
+applied to each row, and every
+remaining row predicted with the *whole-pipeline* :func:`optimizer.model.alp.predict_many` (so the
+search's per-LLM decomposition is checked too). Same selection: the lowest latency among rows
+whose throughput covers ``rate x (1 + headroom)``; else, among rows of the highest throughput
+``T``, the lowest latency at the rate ``T / (1 + headroom)``.
+
+``ratio_order=True`` adds the paper's latency-ratio pruning (LLMs earlier in the packing
+order, i.e. of higher latency, get at least as many units) so the benchmark can measure what
+that heuristic loses. Several workflows: :func:`solve_split` tries every split of the units.
+
+Invariants: pure; raises :class:`ReferenceTimeout` past ``deadline`` (``time.monotonic``), so
+callers can cap it; sizes grow as ``budget^LLMs x configurations^LLMs``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from optimizer.model.alp import ModelAlloc, predict_many
+from optimizer.search.space import (
+    FEASIBLE_RTOL,
+    FloatArray,
+    IntArray,
+    LineLayout,
+    SearchProblem,
+    WorkflowTarget,
+    line_layout,
+    model_rules,
+    packing_order,
+    run_configs,
+    valid_mask,
+)
+from optimizer.search.welfare import TIE_TOL
+
+__all__ = ["ReferenceResult", "ReferenceTimeout", "SplitResult", "solve", "solve_split"]
+
+CHUNK = 2048  # units vectors per batch
+
+
+class ReferenceTimeout(TimeoutError):
+    """The reference solver ran past its deadline."""
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    feasible: bool
+    served_rate: float
+    latency: float  # at served_rate
+    throughput: float
+    allocation: dict[str, ModelAlloc]
+    rows: int  # allocations (units x configurations) predicted
+    seconds: float
+
+
+def _compositions(length: int, total: int, cap: int | None) -> IntArray:
+    """Every vector of ``length`` entries >= 1 with sum <= ``total`` (non-increasing and at most
+    ``cap`` when ``cap`` is given)."""
+    rows = np.zeros((1, 0), dtype=np.int64)
+    sums = np.zeros(1, dtype=np.int64)
+    prev = np.full(1, total if cap is None else cap, dtype=np.int64)
+    for i in range(length):
+        room = total - sums - (length - i - 1)
+        most = np.maximum(np.minimum(room, prev) if cap is not None else room, 0)
+        idx = np.repeat(np.arange(len(rows)), most)
+        starts = np.cumsum(most) - most
+        value = np.arange(len(idx)) - np.repeat(starts, most) + 1
+        rows = np.concatenate([rows[idx], value[:, None]], axis=1)
+        sums, prev = sums[idx] + value, value
+    return rows
+
+
+def _vectors(models: int, budget: int, ratio_order: bool) -> Iterator[IntArray]:
+    """Every units vector (packing order), in chunks that share their first entry."""
+    for first in range(1, budget + 1):
+        rest = _compositions(models - 1, budget - first, first if ratio_order else None)
+        if len(rest):
+            yield np.concatenate([np.full((len(rest), 1), first, dtype=np.int64), rest], axis=1)
+
+
+def _rows(
+    problem: SearchProblem,
+    layout: LineLayout,
+    target: WorkflowTarget,
+    order: tuple[int, ...],
+    vectors: IntArray,
+    start: int,
+) -> tuple[IntArray, IntArray, FloatArray]:
+    """(replicas, tp, share) per row and stage (stage order) for every valid configuration."""
+    stages = target.pipeline.stages
+    count = len(stages)
+    vec = np.arange(len(vectors))
+    tp = np.zeros((len(vectors), count), dtype=np.int64)
+    reps = np.zeros_like(tp)
+    share = np.zeros((len(vectors), count))
+    starts = start + np.concatenate(
+        [np.zeros((len(vectors), 1), dtype=np.int64), np.cumsum(vectors, axis=1)[:, :-1]], axis=1
+    )
+    for pos, j in enumerate(order):
+        rules = model_rules(problem, target.pipeline.workflow, stages[j].model)
+        rc = run_configs(layout, starts[vec, pos], vectors[vec, pos])
+        vec, tp, reps, share = vec[rc.run], tp[rc.run], reps[rc.run], share[rc.run]
+        tp[:, j], reps[:, j], share[:, j] = rc.tp, rc.replicas, rc.share
+        ok = valid_mask(rules, tp[:, j], reps[:, j], share[:, j])
+        vec, tp, reps, share = vec[ok], tp[ok], reps[ok], share[ok]
+    return reps, tp, share
+
+
+def solve(
+    problem: SearchProblem,
+    workflow: int = 0,
+    start: int = 0,
+    budget: int | None = None,
+    ratio_order: bool = False,
+    deadline: float | None = None,
+) -> ReferenceResult:
+    """Brute-force optimum of workflow ``workflow`` on ``budget`` units from unit ``start``."""
+    t0 = time.perf_counter()
+    target = problem.workflows[workflow]
+    pipe, layout = target.pipeline, line_layout(problem.cluster, problem.granularity)
+    budget = problem.units if budget is None else budget
+    order = packing_order(problem, pipe)
+    goal = target.rate * (1.0 + problem.headroom)
+    parts = []
+    for chunk in _vectors(len(pipe.stages), budget, ratio_order):
+        for i in range(0, len(chunk), CHUNK):
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReferenceTimeout(f"{pipe.workflow}: reference solver past its deadline")
+            parts.append(_rows(problem, layout, target, order, chunk[i : i + CHUNK], start))
+    reps = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, len(pipe.stages)))
+    tp = np.concatenate([p[1] for p in parts]) if parts else reps
+    share = np.concatenate([p[2] for p in parts]) if parts else reps
+    if len(reps) == 0:
+        return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
+
+    def run(rate: float) -> tuple[np.ndarray, np.ndarray]:
+        pred = predict_many(
+            pipe, problem.book, rate, reps, tp, share, stat=problem.stat, pooling=problem.pooling
+        )
+        return pred.latency, pred.throughput
+
+    rate = target.rate
+    latency, throughput = run(rate)
+    covers = throughput >= goal * (1.0 - FEASIBLE_RTOL)
+    feasible = bool(covers.any())
+    if not feasible:
+        top = float(throughput.max())
+        rate = top / (1.0 + problem.headroom)
+        latency, throughput = run(rate)
+        covers = throughput >= top * (1.0 - FEASIBLE_RTOL)
+    best = int(np.argmin(np.where(covers, latency, np.inf)))
+    alloc = {
+        st.model: ModelAlloc(int(reps[best, j]), int(tp[best, j]), float(share[best, j]))
+        for j, st in enumerate(pipe.stages)
+    }
+    return ReferenceResult(
+        feasible,
+        rate,
+        float(latency[best]),
+        float(throughput[best]),
+        alloc,
+        len(reps),
+        time.perf_counter() - t0,
+    )
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    budgets: tuple[int, ...]
+    utilities: tuple[float, ...]
+    objective: float
+
+
+def utility(
+    problem: SearchProblem, workflow: int, start: int, budget: int, deadline: float | None = None
+) -> float:
+    """The welfare utility :mod:`optimizer.search.solve` defines, by brute force."""
+    cycle, total = line_layout(problem.cluster, problem.granularity).cycle, problem.units
+    goal = problem.workflows[workflow].rate * (1.0 + problem.headroom)
+    alone = min(
+        solve(problem, workflow, o, total - o, deadline=deadline).latency
+        for o in range(cycle if len(problem.workflows) > 1 else 1)
+    )
+    here = solve(problem, workflow, start, budget, deadline=deadline)
+    if here.feasible:
+        return alone / here.latency if math.isfinite(alone) else 1.0
+    return min(min(here.throughput / goal, 1.0) - 1.0, -1e-12)
+
+
+def solve_split(problem: SearchProblem, deadline: float | None = None) -> SplitResult:
+    """Every split of the cluster's units between the workflows, scored by the welfare policy
+    (egalitarian: the worst utility, ties by the sum; social: the sum)."""
+    count, total = len(problem.workflows), problem.units
+    cycle = line_layout(problem.cluster, problem.granularity).cycle
+    memo: dict[tuple[int, int, int], float] = {}
+
+    def util(w: int, start: int, budget: int) -> float:
+        key = (w, start % cycle, budget)
+        if key not in memo:
+            memo[key] = utility(problem, w, start, budget, deadline)
+        return memo[key]
+
+    best: tuple[tuple[float, float], SplitResult] | None = None
+    for budgets in itertools.product(range(total + 1), repeat=count):
+        if sum(budgets) > total:
+            continue
+        starts = np.concatenate([[0], np.cumsum(budgets)[:-1]])
+        utils = tuple(
+            util(w, int(s), b) for w, (s, b) in enumerate(zip(starts, budgets, strict=True))
+        )
+        score = (min(utils), sum(utils)) if problem.welfare == "egalitarian" else (sum(utils), 0.0)
+        if (
+            best is None
+            or score[0] > best[0][0] + TIE_TOL
+            or (abs(score[0] - best[0][0]) <= TIE_TOL and score[1] > best[0][1] + TIE_TOL)
+        ):
+            best = (score, SplitResult(budgets, utils, score[0]))
+    assert best is not None
+    return best[1]

@@ -1,0 +1,395 @@
+"""The DuckDB side of workflow statistics: grouped passes over the call records, to arrays.
+
+Role: the only part of :mod:`optimizer.stats.figures` that runs SQL. One pass reads the store's
+columns once into a narrow table of integers (request key, pair key, times, tokens; retried
+attempts dropped); one grouping of it by request gives every request's span, sums and whether
+it arrived in the window and completed. From those, exact figures come cheap: arrivals, every
+completed request's span, and per (workflow, model) pair the calls of completed requests and
+their summed durations. Everything per (request, model) (shares, interval unions, parallelism
+``p_m``) needs each request's calls in start order, the one step that grows faster than the
+store (a sort of calls): it runs over a uniform hash sample of each workflow's completed
+requests, about ``union_cap`` calls in all (every request when they hold fewer: then every
+figure is exact), sorted by ``a`` in the shifted layout below for
+:mod:`optimizer.stats.union`. Token-count histograms and unidentified-call counts are exact.
+
+Layout of the sorted calls: every completed request ``i`` owns the integer range
+``[off_i, off_i + extent_i]`` with ``off_{i+1} = off_i + extent_i + 1``, where ``extent_i``
+covers every start and end of its calls; a call's ``a``/``b`` are its start/end shifted by
+``off_i - t0_i``. Sorting by ``a`` therefore orders calls by request, then start, and a
+running maximum of ``b`` never carries from one request into the next.
+
+Invariants (DESIGN §3.4):
+- a retried call is one logical call: rows sharing a ``call_id`` keep only the highest
+  ``attempt`` (skipped when no row has ``attempt > 0``);
+- a request is keyed by ``hash(coalesce(workflow, ''), request_id)``; calls without a request
+  id only feed the unidentified counts and the token histograms;
+- an open row (``t_end`` null: a call in flight when the proxy flushed, ``shared.records``) is
+  superseded by a finished row of the same ``call_id``; one that is not marks its call as
+  still running: the call's start counts for its request's arrival, and the request is not
+  completed. Open rows feed nothing else (matching them decodes ``call_id``, paid only when
+  the store holds any);
+- a request arrives at its first call's start and counts only if that lies in
+  ``[t_from, t_to - settle)``; it is completed when no call of it is still running and its
+  last call ended by ``t_to - settle``;
+- the sample is a pure function of the request keys and each workflow's numbers of calls
+  and requests (the same store gives the same sample); it holds every request when all of
+  them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets:
+  :func:`workflow_budgets` (a quiet workflow beside a busy one keeps a sample of its own);
+- token histograms and unidentified counts cover calls whose start lies in the window;
+- every temp table and view it creates is dropped, and the connection's
+  ``preserve_insertion_order`` restored, before it returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import duckdb
+import numpy as np
+import numpy.typing as npt
+
+from optimizer.stats.scanned import I32, I64, Bounds, Histogram, Scan
+
+_tags = itertools.count()
+# The union sample: about this many calls at most (10 M calls sort in seconds, 1 M in a tenth
+# of that; a mean over the tens of thousands of requests they hold is as good as exact).
+UNION_CALLS_CAP = 1_000_000
+SAMPLE_MODULUS = 1 << 20  # a request is sampled when its key modulo this is below a threshold
+# A workflow's sample holds at least about min(SAMPLE_MIN_REQUESTS, budget /
+# SAMPLE_MIN_REQUESTS_PER) requests however long they are, and never none.
+SAMPLE_MIN_REQUESTS = 2_000
+SAMPLE_MIN_REQUESTS_PER = 50
+
+
+class _Names(NamedTuple):
+    raw: str  # the caller's relation
+    n: str  # (workflow, model) pairs: their codes and key hashes
+    top: str  # retried call ids
+    c: str  # the calls, de-duplicated, with integer request and pair keys
+    o: str  # calls still running: open rows no finished row supersedes
+    r: str  # every request: span, sums, whether it arrived in the window, whether completed
+    k: str  # per pair code: its workflow's sample threshold
+    q: str  # the sampled completed requests with their offsets
+
+
+def _i64(got: dict[str, npt.NDArray[np.generic]], name: str) -> I64:
+    return np.ascontiguousarray(got[name], dtype=np.int64)
+
+
+def _i32(got: dict[str, npt.NDArray[np.generic]], name: str) -> I32:
+    return np.ascontiguousarray(got[name], dtype=np.int32)
+
+
+def workflow_budgets(union_cap: int | None, calls: Sequence[int]) -> list[int | None]:
+    """The calls each workflow's sample may hold (``None``: all of them). Everything fits
+    under the cap: no sampling. Otherwise the cap is shared out, smallest workflows first, a
+    workflow that needs less than its share passing the rest on; no budget is under a tenth
+    of the cap (a quiet workflow beside busy ones still gets a sample that size, so with more
+    than ten busy workflows the sample holds more than the cap)."""
+    if union_cap is None or sum(calls) <= union_cap:
+        return [None] * len(calls)
+    out: list[int | None] = [None] * len(calls)
+    left, waiting = union_cap, sum(1 for c in calls if c)
+    for w in sorted(range(len(calls)), key=lambda w: calls[w]):
+        if not calls[w]:
+            continue
+        share = max(left // waiting, union_cap // 10)
+        out[w] = None if calls[w] <= share else share
+        left, waiting = max(left - min(calls[w], share), 0), waiting - 1
+    return out
+
+
+def sample_threshold(calls: int, requests: int, budget: int | None) -> int:
+    """A workflow's requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the
+    sample: all of them when its ``calls`` fit in ``budget`` (or there is no budget), else
+    about ``budget`` calls' worth, but never fewer than about ``min(SAMPLE_MIN_REQUESTS,
+    budget / SAMPLE_MIN_REQUESTS_PER)`` requests (long requests must not leave the sample
+    nearly empty)."""
+    if budget is None or calls <= budget:
+        return SAMPLE_MODULUS
+    floor = min(SAMPLE_MIN_REQUESTS, max(1, budget // SAMPLE_MIN_REQUESTS_PER))
+    if requests <= floor:
+        return SAMPLE_MODULUS
+    return min(
+        SAMPLE_MODULUS,
+        max(budget * SAMPLE_MODULUS // calls, -(-floor * SAMPLE_MODULUS // requests)),
+    )
+
+
+def scan(
+    con: duckdb.DuckDBPyConnection,
+    calls: duckdb.DuckDBPyRelation,
+    bounds: Bounds,
+    union_cap: int | None = UNION_CALLS_CAP,
+) -> Scan:
+    """Run the passes over ``calls`` (a relation on ``con``) for the window ``bounds``; the
+    unions cover a hash sample of about ``union_cap`` calls at most (``None``: every call)."""
+    tag = next(_tags)
+    names = _Names(*(f"_scepsy_{k}_{tag}" for k in _Names._fields))
+    con.execute("SET enable_progress_bar = false")
+    got = con.execute("SELECT current_setting('preserve_insertion_order')").fetchone()
+    preserve = bool(got[0]) if got else True
+    # Row order never matters here (every result is grouped or sorted), and not keeping the
+    # scan's order lets DuckDB fill the temp tables in parallel without re-ordering them.
+    con.execute("SET preserve_insertion_order = false")
+    calls.create_view(names.raw, replace=True)
+    try:
+        return _scan(con, names, bounds, union_cap)
+    finally:
+        for table in (names.q, names.k, names.r, names.o, names.c, names.top, names.n):
+            con.execute(f"DROP TABLE IF EXISTS {table}")
+        con.execute(f"DROP VIEW IF EXISTS {names.raw}")
+        con.execute(f"SET preserve_insertion_order = {str(preserve).lower()}")
+
+
+def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: int | None) -> Scan:
+    lo, t_to, hi = bounds.lo, bounds.t_to, bounds.hi
+    in_window = " AND ".join(
+        [f"t_start >= {int(lo)}" if lo is not None else "true"]
+        + ([f"t_start < {int(t_to)}"] if t_to is not None else [])
+    )
+    # The (workflow, model) pairs are few and dictionary-encoded in Parquet, so this pass is
+    # cheap; every later pass keys a pair by its 64-bit hash, an integer, not two strings.
+    found = con.execute(f"""
+        SELECT w, model, hash(w, model) AS pk
+        FROM (SELECT DISTINCT coalesce(workflow, '') AS w, model FROM {t.raw})
+    """).fetchall()
+    found.sort(key=lambda row: (row[0], row[1] is None, row[1] or ""))
+    if len({row[2] for row in found}) != len(found):  # two pairs, one hash: never seen
+        raise RuntimeError("stats: two (workflow, model) pairs share a 64-bit key hash")
+    workflows = tuple(sorted({str(w) for w, _, _ in found}))
+    code = {w: i for i, w in enumerate(workflows)}
+    pairs = tuple((code[str(w)], "" if m is None else str(m)) for w, m, _ in found)
+    pair_of = {int(key): k for k, (_, _, key) in enumerate(found)}
+    con.execute(f"CREATE TEMP TABLE {t.n} (pair INTEGER, pk UBIGINT)")
+    if found:
+        con.executemany(
+            f"INSERT INTO {t.n} VALUES (?, ?)", list(enumerate(int(key) for _, _, key in found))
+        )
+    # Retries are rare: find the retried calls' ids first (a filtered scan that decodes
+    # call_id only for rows with attempt > 0), and pay for the anti-join only if there are any.
+    con.execute(f"""
+        CREATE TEMP TABLE {t.top} AS
+        SELECT call_id, max(coalesce(attempt, 0)) AS top FROM {t.raw}
+        WHERE coalesce(attempt, 0) > 0 GROUP BY call_id
+    """)
+    retried = con.execute(f"SELECT count(*) FROM {t.top}").fetchone()
+    dedup = (
+        f"ANTI JOIN {t.top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
+        if retried and retried[0]
+        else ""
+    )
+    # Open rows are matched to their finished rows by call id, the one column the pass would
+    # not otherwise decode: it is read only when the store holds open rows (a filtered count
+    # that Parquet statistics mostly answer).
+    opened = con.execute(f"SELECT count(*) FROM {t.raw} WHERE t_end IS NULL").fetchone()
+    has_open = bool(opened and opened[0])
+    ck = ", hash(b.call_id) AS ck" if has_open else ""
+    # The one pass over the store: every later pass reads this narrow integer table (the
+    # strings, and call_id for the retries, are decoded once).
+    con.execute(f"""
+        CREATE TEMP TABLE {t.c} AS
+        SELECT CASE WHEN b.request_id IS NULL THEN NULL
+                    ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
+               hash(coalesce(b.workflow, ''), b.model) AS pk, b.t_start, b.t_end,
+               b.prompt_tokens, b.completion_tokens{ck}
+        FROM {t.raw} b {dedup}
+    """)
+    # Token histograms and unidentified counts of the windowed calls, and every identified
+    # call's count and summed duration per pair (the totals :func:`_pair_totals` starts from),
+    # in one pass over the finished calls.
+    counted = con.execute(f"""
+        SELECT pk, prompt_tokens, completion_tokens, unid,
+               GROUPING(prompt_tokens, completion_tokens, unid) AS gid,
+               count(*) FILTER (WHERE windowed) AS n, count(*) AS n_all,
+               sum(t_end - t_start)::BIGINT AS d_all
+        FROM (SELECT pk, prompt_tokens, completion_tokens, t_start, t_end,
+                     rk IS NULL AS unid, {in_window} AS windowed
+              FROM {t.c} WHERE t_end IS NOT NULL)
+        GROUP BY GROUPING SETS ((pk, prompt_tokens), (pk, completion_tokens), (pk, unid))
+    """).fetchall()
+    arrive = " AND ".join(
+        [f"t0 >= {int(lo)}" if lo is not None else "true"]
+        + ([f"t0 < {int(hi)}"] if hi is not None else [])
+    )
+    done = f"t1 <= {int(hi)}" if hi is not None else "true"
+    running = _running_calls(con, t) if has_open else 0
+    if running:
+        # A request with a call still running arrives at its first start, whichever row
+        # holds it, and is not completed.
+        source = f"""
+            SELECT rk, pk, t_start, t_end, false AS open FROM {t.c}
+            WHERE rk IS NOT NULL AND t_end IS NOT NULL
+            UNION ALL SELECT rk, pk, t_start, NULL, true FROM {t.o}"""
+        done += " AND NOT open"
+        is_open, calls = "bool_or(open) AS open", "count(t_end)"
+    else:
+        source = f"SELECT * FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL"
+        is_open, calls = "false AS open", "count(*)"
+    # Every request once: one grouping of the calls, by request only.
+    con.execute(f"""
+        CREATE TEMP TABLE {t.r} AS
+        SELECT *, coalesce({arrive}, false) AS arrived,
+               coalesce({arrive} AND {done}, false) AS complete
+        FROM (SELECT rk, any_value(pk) AS pk, min(t_start) AS t0, max(t_end) AS t1,
+                     max(t_start) AS s1, sum(t_end - t_start)::BIGINT AS dur,
+                     {calls} AS calls, {is_open}
+              FROM ({source}) GROUP BY rk)
+    """)
+    n_wf = len(workflows)
+    wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
+    arrivals = _per_workflow(
+        [
+            (pair_of[int(key)], int(n))
+            for key, n in con.execute(
+                f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk"
+            ).fetchall()
+        ],
+        wf_of_pair,
+        n_wf,
+    )
+    per_pk = con.execute(f"""
+        SELECT pk, sum(calls)::BIGINT, count(*), min(rk % {SAMPLE_MODULUS})
+        FROM {t.r} WHERE complete GROUP BY pk
+    """).fetchall()
+    wf_calls, wf_requests = (
+        _per_workflow([(pair_of[int(row[0])], int(row[i])) for row in per_pk], wf_of_pair, n_wf)
+        for i in (1, 2)
+    )
+    lowest = [SAMPLE_MODULUS] * n_wf  # per workflow, the smallest key a completed request has
+    for row in per_pk:
+        w = pairs[pair_of[int(row[0])]][0]
+        lowest[w] = min(lowest[w], int(row[3]))
+    # Ordered, so that float sums over them come out the same every time.
+    req = con.execute(f"""
+        SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
+        ORDER BY r.t0, r.rk
+    """).fetchnumpy()
+    # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
+    budgets = workflow_budgets(union_cap, [int(c) for c in wf_calls])
+    # ... and never none: the threshold lets the lowest key in
+    keep = [
+        max(
+            sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budgets[w]),
+            min(lowest[w] + 1, SAMPLE_MODULUS),
+        )
+        for w in range(n_wf)
+    ]
+    con.execute(f"CREATE TEMP TABLE {t.k} (pair INTEGER, keep BIGINT)")
+    if pairs:
+        con.executemany(
+            f"INSERT INTO {t.k} VALUES (?, ?)", [(k, keep[w]) for k, (w, _) in enumerate(pairs)]
+        )
+    top_keep = max(keep, default=0)
+    # extent covers starts too (a call may end before it starts); + 1 keeps ranges disjoint.
+    con.execute(f"""
+        CREATE TEMP TABLE {t.q} AS
+        SELECT rk, pair, t0, t1 - t0 AS span, dur,
+               (sum(greatest(t1, s1) - t0 + 1) OVER w - (greatest(t1, s1) - t0 + 1))::BIGINT AS off
+        FROM (SELECT r.*, n.pair FROM {t.r} r JOIN {t.n} n USING (pk) JOIN {t.k} k USING (pair)
+              WHERE r.complete AND r.rk % {SAMPLE_MODULUS} < k.keep)
+        WINDOW w AS (ORDER BY t0, rk ROWS UNBOUNDED PRECEDING)
+    """)
+    smp = con.execute(f"SELECT pair, dur, off, span FROM {t.q} ORDER BY off").fetchnumpy()
+    # The sample's calls: a cheap predicate (the highest threshold) drops most calls before
+    # the join probes.
+    got = con.execute(f"""
+        SELECT n.pair, x.t_start + (q.off - q.t0) AS a, x.t_end + (q.off - q.t0) AS b
+        FROM (SELECT * FROM {t.c} WHERE t_end IS NOT NULL AND rk % {SAMPLE_MODULUS} < {top_keep}) x
+        JOIN {t.q} q USING (rk) JOIN {t.n} n USING (pk)
+        ORDER BY a
+    """).fetchnumpy()
+    unidentified = np.zeros(n_wf, dtype=np.int64)
+    hist: dict[int, list[tuple[int, int, int]]] = {3: [], 5: []}
+    all_calls, all_dur = np.zeros(len(pairs), np.int64), np.zeros(len(pairs), np.int64)
+    for key, prompt, completion, unid, gid, count, n_all, d_all in counted:
+        k = pair_of[int(key)]
+        if gid == 6 and unid:
+            unidentified[pairs[k][0]] += int(count)
+        elif gid == 6:
+            all_calls[k], all_dur[k] = int(n_all), int(d_all)
+        elif gid == 3 and prompt is not None and count:
+            hist[3].append((k, int(prompt), int(count)))
+        elif gid == 5 and completion is not None and count:
+            hist[5].append((k, int(completion), int(count)))
+    pair_calls, pair_dur = _pair_totals(con, t, pair_of, all_calls, all_dur)
+    return Scan(
+        workflows=workflows,
+        pairs=pairs,
+        arrivals=arrivals,
+        unidentified=unidentified,
+        req_pair=_i32(req, "pair"),
+        req_t0=_i64(req, "t0"),
+        req_t1=_i64(req, "t1"),
+        pair_calls=pair_calls,
+        pair_dur=pair_dur,
+        smp_pair=_i32(smp, "pair"),
+        smp_dur=_i64(smp, "dur"),
+        smp_off=_i64(smp, "off"),
+        smp_span=_i64(smp, "span"),
+        call_pair=_i32(got, "pair"),
+        call_a=_i64(got, "a"),
+        call_b=_i64(got, "b"),
+        prompt=_histogram(hist[3]),
+        completion=_histogram(hist[5]),
+    )
+
+
+def _pair_totals(
+    con: duckdb.DuckDBPyConnection,
+    t: _Names,
+    pair_of: dict[int, int],
+    all_calls: I64,
+    all_dur: I64,
+) -> tuple[I64, I64]:
+    """Per pair code, the calls of completed requests and their summed durations (exact),
+    from the totals over every identified call: probes the calls against the smaller side,
+    the completed requests, or (to subtract) the others, a few at the window's edges when the
+    window is long."""
+    got = con.execute(f"SELECT count(*) FILTER (WHERE complete), count(*) FROM {t.r}").fetchone()
+    complete, total = (int(got[0] or 0), int(got[1] or 0)) if got else (0, 0)
+    if complete == total:
+        return all_calls, all_dur
+    which = "complete" if complete <= total - complete else "NOT complete"
+    calls, dur = np.zeros_like(all_calls), np.zeros_like(all_dur)
+    for key, n, d in con.execute(f"""
+        SELECT pk, count(*), sum(t_end - t_start)::BIGINT FROM {t.c}
+        SEMI JOIN (SELECT rk FROM {t.r} WHERE {which}) USING (rk)
+        WHERE t_end IS NOT NULL GROUP BY pk
+    """).fetchall():
+        calls[pair_of[int(key)]], dur[pair_of[int(key)]] = int(n), int(d)
+    if which == "complete":
+        return calls, dur
+    return all_calls - calls, all_dur - dur
+
+
+def _running_calls(con: duckdb.DuckDBPyConnection, t: _Names) -> int:
+    """Fill ``t.o`` with the calls still running (see the module docstring); their count.
+    ``t.c`` holds ``ck``, the call id's hash: an open row is superseded by a finished row of
+    the same call (parallel calls of one request may share model and start)."""
+    con.execute(f"""
+        CREATE TEMP TABLE {t.o} AS
+        SELECT rk, pk, min(t_start) AS t_start
+        FROM (SELECT * FROM {t.c} WHERE t_end IS NULL AND rk IS NOT NULL) o
+        ANTI JOIN (SELECT ck FROM {t.c} WHERE t_end IS NOT NULL) f USING (ck)
+        GROUP BY rk, pk, ck
+    """)
+    got = con.execute(f"SELECT count(*) FROM {t.o}").fetchone()
+    return int(got[0]) if got else 0
+
+
+def _histogram(rows: list[tuple[int, int, int]]) -> Histogram:
+    """(pair, value, count) rows, sorted by pair then value."""
+    cols = np.asarray(sorted(rows), dtype=np.int64).reshape(-1, 3)
+    return Histogram(
+        pair=cols[:, 0].astype(np.int32), value=cols[:, 1].copy(), count=cols[:, 2].copy()
+    )
+
+
+def _per_workflow(rows: list[tuple[int, int]], wf_of_pair: I64, n_wf: int) -> I64:
+    out = np.zeros(n_wf, dtype=np.int64)
+    for pair, count in rows:
+        out[wf_of_pair[pair]] += int(count)
+    return out

@@ -1,0 +1,78 @@
+"""Profile points: the contract between whoever measures an LLM and whoever models it (DESIGN §3.5).
+
+Role: a :class:`ProfilePoint` is one measured arrival rate for one
+``(model, engine, gpu_type, tp, share)`` key. The profiler, the simulator's profiling and a
+file carried between clusters all produce them; the optimizer stores them and fits curves.
+
+Invariants: points travel as ``{"points": [...]}`` JSON; :func:`import_json` refuses a point
+with ``tp < 1``, a share outside ``(0, 1]`` or a negative rate, naming the bad entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from shared.settings_schema import SettingsError, decode
+
+
+class ProfileError(ValueError):
+    """A bad profile file or an unusable set of points."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePoint:
+    """One measured arrival rate. Rates are calls per second, latencies seconds."""
+
+    model: str
+    engine: str
+    gpu_type: str
+    tp: int
+    share: float
+    offered_rate: float
+    throughput: float
+    lat_mean: float
+    lat_p50: float
+    lat_p90: float
+    lat_p99: float
+    ttft_mean: float
+    n_calls: int
+
+    @property
+    def key(self) -> ProfileKey:
+        return ProfileKey(self.model, self.engine, self.gpu_type, self.tp, self.share)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ProfileKey:
+    model: str
+    engine: str
+    gpu_type: str
+    tp: int
+    share: float
+
+
+def export_json(points: Iterable[ProfilePoint]) -> bytes:
+    return orjson.dumps({"points": [asdict(p) for p in points]}, option=orjson.OPT_INDENT_2)
+
+
+def import_json(data: bytes | str) -> list[ProfilePoint]:
+    """Points from ``{"points": [...]}`` (or a bare list); errors name the bad entry."""
+    try:
+        doc: Any = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProfileError(f"profile file is not JSON: {exc}") from exc
+    items = doc.get("points") if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise ProfileError('expected {"points": [...]} or a list of points')
+    try:
+        points = [decode(ProfilePoint, item, f"points[{i}]") for i, item in enumerate(items)]
+    except SettingsError as exc:
+        raise ProfileError(str(exc)) from exc
+    for i, p in enumerate(points):
+        if p.tp < 1 or not 0 < p.share <= 1 or p.offered_rate < 0 or p.throughput < 0:
+            raise ProfileError(f"points[{i}]: tp >= 1, 0 < share <= 1, rates >= 0 required")
+    return points
