@@ -24,13 +24,12 @@ still minimises the stage sum times the traced overlap ratio (``Pipeline.overlap
 for LLMs called in turn and an approximation for fanned-out ones (it may spend units on a
 stage the other hides), and the chosen allocation's latency is predicted with the overlaps.
 
-Invariants: pure over frozen inputs (``search_async`` runs it in a thread); the returned
+Invariants: pure over frozen inputs (callers on an event loop run it in a thread); the returned
 predictions come from :func:`optimizer.model.alp.predict` on the chosen allocation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -84,7 +83,6 @@ __all__ = [
     "replica_demands",
     "search",
     "search_and_place",
-    "search_async",
 ]
 
 
@@ -542,8 +540,3 @@ def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSea
                 exclude=problem.exclude
                 | {ExcludedConfig(d.workflow, d.model, alloc.tp, alloc.replicas, alloc.share)},
             )
-
-
-async def search_async(problem: SearchProblem) -> SearchResult:
-    """:func:`search` in a worker thread, so the event loop keeps serving (DESIGN §2)."""
-    return await asyncio.to_thread(search, problem)

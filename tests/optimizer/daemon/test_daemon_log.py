@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.daemon.service import Daemon
-from tests.optimizer.test_daemon import T0, FakeBackend, FakeClock, _settings, _trace
+from tests.optimizer.daemon.test_daemon import T0, FakeBackend, FakeClock, _settings, _trace
 
 
 def _decisions(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -30,7 +30,6 @@ from optimizer.search.solve import (
     replica_demands,
     search,
     search_and_place,
-    search_async,
 )
 from optimizer.search.space import (
     LineLayout,
@@ -275,12 +274,6 @@ def test_search_and_place_gives_a_sound_placement() -> None:
         assert out.attempts == 1 + len(out.failures) == 1 + len(out.excluded)
         placed += 1
     assert placed >= 5
-
-
-async def test_search_async_runs_off_the_loop() -> None:
-    problem = scaled_problem(2, 4, 10, seed=0)
-    got = await search_async(problem)
-    assert got.workflows[0].allocation == search(problem).workflows[0].allocation
 
 
 def _configs_of(layout: LineLayout, position: int, units: int) -> set[tuple[int, int, float]]:

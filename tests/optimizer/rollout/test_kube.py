@@ -22,9 +22,9 @@ from shared.cluster import GB, Cluster, cluster_from_settings
 from shared.rollout_settings import RolloutSettings
 from shared.settings import load_settings
 from shared.settings_schema import SettingsError, decode
-from tests.optimizer.kube_fake import Crash, FakeKube
+from tests.optimizer.rollout.kube_fake import Crash, FakeKube
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cluster.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from bench.accuracy.alp_point_check import main
 
 pytestmark = pytest.mark.timeout(60)
 
-RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "alp_accuracy_full.json"
+RUN = Path(__file__).resolve().parents[3] / "bench" / "results" / "alp_accuracy_full.json"
 
 
 def test_a_rag_point_from_the_committed_run(capsys: pytest.CaptureFixture[str]) -> None:

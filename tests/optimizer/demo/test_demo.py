@@ -16,7 +16,7 @@ from optimizer.demo import run as demo
 from optimizer.demo.report import problems
 from optimizer.demo.run import DemoError, _check_load_driver, _watch
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 
 
 def _processes_mentioning(text: str) -> list[int]:

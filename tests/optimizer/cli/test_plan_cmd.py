@@ -17,7 +17,7 @@ from optimizer.store.profiles import save_points
 from shared.settings_schema import SettingsError
 from tests.optimizer.conftest import Row, call
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAPER = ROOT / "examples" / "scenario_paper.yaml"
 
 

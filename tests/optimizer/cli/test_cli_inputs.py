@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from shared.store import segment_dir
-from tests.optimizer.test_daemon import _profiles, _settings_doc, _trace
+from tests.optimizer.daemon.test_daemon import _profiles, _settings_doc, _trace
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCENARIO = ROOT / "examples" / "scenario_paper.yaml"
 
 

@@ -22,7 +22,7 @@ from optimizer.stats.figures import Window, WorkflowStats
 from optimizer.stats.reader import summarise_store
 from shared.records import CallRecord
 from tests.optimizer.conftest import Row, S, call
-from tests.optimizer.test_stats_union import _union
+from tests.optimizer.stats.test_stats_union import _union
 
 Write = Callable[[list[Row]], Path]
 MODELS = {"a": ("gen", "ver"), "b": ("emb", "gen", "llm")}

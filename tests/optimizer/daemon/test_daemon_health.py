@@ -18,7 +18,14 @@ from aiohttp import web
 
 from optimizer.daemon.service import Daemon, make_app
 from shared.store import segment_dir
-from tests.optimizer.test_daemon import T0, FakeBackend, FakeClock, _profiles, _settings, _trace
+from tests.optimizer.daemon.test_daemon import (
+    T0,
+    FakeBackend,
+    FakeClock,
+    _profiles,
+    _settings,
+    _trace,
+)
 
 
 async def _serve(daemon: Daemon, *, loop: bool) -> AsyncIterator[str]:

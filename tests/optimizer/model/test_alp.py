@@ -25,7 +25,7 @@ from optimizer.model.curves import ProfileBook
 from optimizer.stats.reader import summarise_store
 from shared.profile_points import ProfilePoint
 from tests.optimizer.conftest import Row, call
-from tests.optimizer.test_profiles import MU, mm1
+from tests.optimizer.model.test_profiles import MU, mm1
 
 
 def _book() -> ProfileBook:

@@ -361,7 +361,7 @@ def test_sigterm_stops_scepsy_run_within_seconds(tmp_path: Path) -> None:
         [sys.executable, "-m", "optimizer.cli", "run", "--config", str(config)],
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).parents[2],
+        cwd=Path(__file__).parents[3],
         start_new_session=True,
     )
     try:
