@@ -33,8 +33,9 @@ Invariants (DESIGN §3.4):
   last call ended by ``t_to - settle``;
 - the sample is a pure function of the request keys and each workflow's numbers of calls
   and requests (the same store gives the same sample); it holds every request when all of
-  them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets:
-  :func:`workflow_budgets` (a quiet workflow beside a busy one keeps a sample of its own);
+  them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets and
+  thresholds: :mod:`optimizer.stats.sample` (a quiet workflow beside a busy one keeps a
+  sample of its own);
 - token histograms and unidentified counts cover calls whose start lies in the window;
 - every temp table and view it creates is dropped, and the connection's
   ``preserve_insertion_order`` restored, before it returns.
@@ -43,24 +44,18 @@ Invariants (DESIGN §3.4):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
 import numpy.typing as npt
 
+from optimizer.stats.sample import SAMPLE_MODULUS as SAMPLE_MODULUS
+from optimizer.stats.sample import UNION_CALLS_CAP as UNION_CALLS_CAP
+from optimizer.stats.sample import keep_thresholds
 from optimizer.stats.scanned import I32, I64, Bounds, Histogram, Scan
 
 _tags = itertools.count()
-# The union sample: about this many calls at most (10 M calls sort in seconds, 1 M in a tenth
-# of that; a mean over the tens of thousands of requests they hold is as good as exact).
-UNION_CALLS_CAP = 1_000_000
-SAMPLE_MODULUS = 1 << 20  # a request is sampled when its key modulo this is below a threshold
-# A workflow's sample holds at least about min(SAMPLE_MIN_REQUESTS, budget /
-# SAMPLE_MIN_REQUESTS_PER) requests however long they are, and never none.
-SAMPLE_MIN_REQUESTS = 2_000
-SAMPLE_MIN_REQUESTS_PER = 50
 
 
 class _Names(NamedTuple):
@@ -74,48 +69,31 @@ class _Names(NamedTuple):
     q: str  # the sampled completed requests with their offsets
 
 
+class _Pairs(NamedTuple):
+    """The store's (workflow, model) pairs, coded."""
+
+    workflows: tuple[str, ...]  # sorted: a workflow's code is its index
+    pairs: tuple[tuple[int, str], ...]  # (workflow code, model; "" if null) per pair code
+    pair_of: dict[int, int]  # a pair's key hash -> its code
+    wf_of_pair: I64  # per pair code, its workflow code
+
+
+class _Tally(NamedTuple):
+    """What the grouping sets of :func:`_windowed_counts` say, per code."""
+
+    unidentified: I64  # per workflow: windowed calls without a request id
+    all_calls: I64  # per pair: every identified finished call
+    all_dur: I64  # per pair: their summed durations
+    prompt: Histogram
+    completion: Histogram
+
+
 def _i64(got: dict[str, npt.NDArray[np.generic]], name: str) -> I64:
     return np.ascontiguousarray(got[name], dtype=np.int64)
 
 
 def _i32(got: dict[str, npt.NDArray[np.generic]], name: str) -> I32:
     return np.ascontiguousarray(got[name], dtype=np.int32)
-
-
-def workflow_budgets(union_cap: int | None, calls: Sequence[int]) -> list[int | None]:
-    """The calls each workflow's sample may hold (``None``: all of them). Everything fits
-    under the cap: no sampling. Otherwise the cap is shared out, smallest workflows first, a
-    workflow that needs less than its share passing the rest on; no budget is under a tenth
-    of the cap (a quiet workflow beside busy ones still gets a sample that size, so with more
-    than ten busy workflows the sample holds more than the cap)."""
-    if union_cap is None or sum(calls) <= union_cap:
-        return [None] * len(calls)
-    out: list[int | None] = [None] * len(calls)
-    left, waiting = union_cap, sum(1 for c in calls if c)
-    for w in sorted(range(len(calls)), key=lambda w: calls[w]):
-        if not calls[w]:
-            continue
-        share = max(left // waiting, union_cap // 10)
-        out[w] = None if calls[w] <= share else share
-        left, waiting = max(left - min(calls[w], share), 0), waiting - 1
-    return out
-
-
-def sample_threshold(calls: int, requests: int, budget: int | None) -> int:
-    """A workflow's requests whose key modulo ``SAMPLE_MODULUS`` lies below this are in the
-    sample: all of them when its ``calls`` fit in ``budget`` (or there is no budget), else
-    about ``budget`` calls' worth, but never fewer than about ``min(SAMPLE_MIN_REQUESTS,
-    budget / SAMPLE_MIN_REQUESTS_PER)`` requests (long requests must not leave the sample
-    nearly empty)."""
-    if budget is None or calls <= budget:
-        return SAMPLE_MODULUS
-    floor = min(SAMPLE_MIN_REQUESTS, max(1, budget // SAMPLE_MIN_REQUESTS_PER))
-    if requests <= floor:
-        return SAMPLE_MODULUS
-    return min(
-        SAMPLE_MODULUS,
-        max(budget * SAMPLE_MODULUS // calls, -(-floor * SAMPLE_MODULUS // requests)),
-    )
 
 
 def scan(
@@ -145,11 +123,50 @@ def scan(
 
 
 def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: int | None) -> Scan:
-    lo, t_to, hi = bounds.lo, bounds.t_to, bounds.hi
-    in_window = " AND ".join(
-        [f"t_start >= {int(lo)}" if lo is not None else "true"]
-        + ([f"t_start < {int(t_to)}"] if t_to is not None else [])
+    """The passes in order, each building the tables the next ones read."""
+    coded = _pair_table(con, t)
+    has_open = _call_table(con, t)
+    counted = _windowed_counts(con, t, bounds)
+    _request_table(con, t, bounds, has_open)
+    arrivals = _arrivals(con, t, coded)
+    wf_calls, wf_requests, lowest = _completed_per_workflow(con, t, coded)
+    # Ordered, so that float sums over them come out the same every time.
+    req = con.execute(f"""
+        SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
+        ORDER BY r.t0, r.rk
+    """).fetchnumpy()
+    keep = keep_thresholds(
+        union_cap, [int(c) for c in wf_calls], [int(c) for c in wf_requests], lowest
     )
+    _sample_table(con, t, coded, keep)
+    smp = con.execute(f"SELECT pair, dur, off, span FROM {t.q} ORDER BY off").fetchnumpy()
+    got = _sample_calls(con, t, max(keep, default=0))
+    tally = _tally(counted, coded)
+    pair_calls, pair_dur = _pair_totals(con, t, coded.pair_of, tally.all_calls, tally.all_dur)
+    return Scan(
+        workflows=coded.workflows,
+        pairs=coded.pairs,
+        arrivals=arrivals,
+        unidentified=tally.unidentified,
+        req_pair=_i32(req, "pair"),
+        req_t0=_i64(req, "t0"),
+        req_t1=_i64(req, "t1"),
+        pair_calls=pair_calls,
+        pair_dur=pair_dur,
+        smp_pair=_i32(smp, "pair"),
+        smp_dur=_i64(smp, "dur"),
+        smp_off=_i64(smp, "off"),
+        smp_span=_i64(smp, "span"),
+        call_pair=_i32(got, "pair"),
+        call_a=_i64(got, "a"),
+        call_b=_i64(got, "b"),
+        prompt=tally.prompt,
+        completion=tally.completion,
+    )
+
+
+def _pair_table(con: duckdb.DuckDBPyConnection, t: _Names) -> _Pairs:
+    """Code the (workflow, model) pairs and build ``t.n`` (pair code, key hash)."""
     # The (workflow, model) pairs are few and dictionary-encoded in Parquet, so this pass is
     # cheap; every later pass keys a pair by its 64-bit hash, an integer, not two strings.
     found = con.execute(f"""
@@ -168,6 +185,13 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
         con.executemany(
             f"INSERT INTO {t.n} VALUES (?, ?)", list(enumerate(int(key) for _, _, key in found))
         )
+    wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
+    return _Pairs(workflows, pairs, pair_of, wf_of_pair)
+
+
+def _retry_filter(con: duckdb.DuckDBPyConnection, t: _Names) -> str:
+    """Build ``t.top`` (each retried call id, its highest attempt); the anti-join clause that
+    keeps only that attempt, or "" when nothing was retried."""
     # Retries are rare: find the retried calls' ids first (a filtered scan that decodes
     # call_id only for rows with attempt > 0), and pay for the anti-join only if there are any.
     con.execute(f"""
@@ -176,19 +200,26 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
         WHERE coalesce(attempt, 0) > 0 GROUP BY call_id
     """)
     retried = con.execute(f"SELECT count(*) FROM {t.top}").fetchone()
-    dedup = (
+    return (
         f"ANTI JOIN {t.top} x ON b.call_id = x.call_id AND coalesce(b.attempt, 0) < x.top"
         if retried and retried[0]
         else ""
     )
+
+
+def _call_table(con: duckdb.DuckDBPyConnection, t: _Names) -> bool:
+    """Build ``t.c``, the one pass over the store: each logical call's request and pair keys,
+    times and tokens. Whether the store holds open rows (then ``t.c`` also holds ``ck``, the
+    call id's hash)."""
+    dedup = _retry_filter(con, t)
     # Open rows are matched to their finished rows by call id, the one column the pass would
     # not otherwise decode: it is read only when the store holds open rows (a filtered count
     # that Parquet statistics mostly answer).
     opened = con.execute(f"SELECT count(*) FROM {t.raw} WHERE t_end IS NULL").fetchone()
     has_open = bool(opened and opened[0])
     ck = ", hash(b.call_id) AS ck" if has_open else ""
-    # The one pass over the store: every later pass reads this narrow integer table (the
-    # strings, and call_id for the retries, are decoded once).
+    # Every later pass reads this narrow integer table (the strings, and call_id for the
+    # retries, are decoded once).
     con.execute(f"""
         CREATE TEMP TABLE {t.c} AS
         SELECT CASE WHEN b.request_id IS NULL THEN NULL
@@ -197,10 +228,22 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
                b.prompt_tokens, b.completion_tokens{ck}
         FROM {t.raw} b {dedup}
     """)
-    # Token histograms and unidentified counts of the windowed calls, and every identified
-    # call's count and summed duration per pair (the totals :func:`_pair_totals` starts from),
-    # in one pass over the finished calls.
-    counted = con.execute(f"""
+    return has_open
+
+
+def _windowed_counts(
+    con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds
+) -> list[tuple[Any, ...]]:
+    """Token histograms and unidentified counts of the windowed calls, and every identified
+    call's count and summed duration per pair (the totals :func:`_pair_totals` starts from),
+    in one pass over the finished calls: rows of three grouping sets, told apart by ``gid``
+    (3: prompt tokens, 5: completion tokens, 6: identified or not)."""
+    lo, t_to = bounds.lo, bounds.t_to
+    in_window = " AND ".join(
+        [f"t_start >= {int(lo)}" if lo is not None else "true"]
+        + ([f"t_start < {int(t_to)}"] if t_to is not None else [])
+    )
+    return con.execute(f"""
         SELECT pk, prompt_tokens, completion_tokens, unid,
                GROUPING(prompt_tokens, completion_tokens, unid) AS gid,
                count(*) FILTER (WHERE windowed) AS n, count(*) AS n_all,
@@ -210,6 +253,16 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
               FROM {t.c} WHERE t_end IS NOT NULL)
         GROUP BY GROUPING SETS ((pk, prompt_tokens), (pk, completion_tokens), (pk, unid))
     """).fetchall()
+
+
+def _request_table(
+    con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, has_open: bool
+) -> None:
+    """Build ``t.r``, every request once (one grouping of the calls, by request only): its
+    pair, first start ``t0``, last end ``t1``, last start ``s1``, summed durations, finished
+    calls, whether one is still running, and whether it arrived and completed in the window.
+    With open rows, ``t.o`` (the calls still running) first."""
+    lo, hi = bounds.lo, bounds.hi
     arrive = " AND ".join(
         [f"t0 >= {int(lo)}" if lo is not None else "true"]
         + ([f"t0 < {int(hi)}"] if hi is not None else [])
@@ -228,7 +281,6 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
     else:
         source = f"SELECT * FROM {t.c} WHERE rk IS NOT NULL AND t_end IS NOT NULL"
         is_open, calls = "false AS open", "count(*)"
-    # Every request once: one grouping of the calls, by request only.
     con.execute(f"""
         CREATE TEMP TABLE {t.r} AS
         SELECT *, coalesce({arrive}, false) AS arrived,
@@ -238,51 +290,52 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
                      {calls} AS calls, {is_open}
               FROM ({source}) GROUP BY rk)
     """)
-    n_wf = len(workflows)
-    wf_of_pair = np.asarray([w for w, _ in pairs], dtype=np.int64)
-    arrivals = _per_workflow(
-        [
-            (pair_of[int(key)], int(n))
-            for key, n in con.execute(
-                f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk"
-            ).fetchall()
-        ],
-        wf_of_pair,
-        n_wf,
+
+
+def _arrivals(con: duckdb.DuckDBPyConnection, t: _Names, coded: _Pairs) -> I64:
+    """Per workflow code, the requests that arrived in the window."""
+    rows = con.execute(f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk").fetchall()
+    return _per_workflow(
+        [(coded.pair_of[int(key)], int(n)) for key, n in rows],
+        coded.wf_of_pair,
+        len(coded.workflows),
     )
+
+
+def _completed_per_workflow(
+    con: duckdb.DuckDBPyConnection, t: _Names, coded: _Pairs
+) -> tuple[I64, I64, list[int]]:
+    """Per workflow code, over its completed requests: their calls, their number, and the
+    smallest request key modulo ``SAMPLE_MODULUS`` (``SAMPLE_MODULUS`` when it has none)."""
     per_pk = con.execute(f"""
         SELECT pk, sum(calls)::BIGINT, count(*), min(rk % {SAMPLE_MODULUS})
         FROM {t.r} WHERE complete GROUP BY pk
     """).fetchall()
+    n_wf = len(coded.workflows)
     wf_calls, wf_requests = (
-        _per_workflow([(pair_of[int(row[0])], int(row[i])) for row in per_pk], wf_of_pair, n_wf)
+        _per_workflow(
+            [(coded.pair_of[int(row[0])], int(row[i])) for row in per_pk], coded.wf_of_pair, n_wf
+        )
         for i in (1, 2)
     )
-    lowest = [SAMPLE_MODULUS] * n_wf  # per workflow, the smallest key a completed request has
+    lowest = [SAMPLE_MODULUS] * n_wf
     for row in per_pk:
-        w = pairs[pair_of[int(row[0])]][0]
+        w = coded.pairs[coded.pair_of[int(row[0])]][0]
         lowest[w] = min(lowest[w], int(row[3]))
-    # Ordered, so that float sums over them come out the same every time.
-    req = con.execute(f"""
-        SELECT n.pair, r.t0, r.t1 FROM {t.r} r JOIN {t.n} n USING (pk) WHERE r.complete
-        ORDER BY r.t0, r.rk
-    """).fetchnumpy()
-    # The sample: per workflow, a hash threshold on the request key (see sample_threshold).
-    budgets = workflow_budgets(union_cap, [int(c) for c in wf_calls])
-    # ... and never none: the threshold lets the lowest key in
-    keep = [
-        max(
-            sample_threshold(int(wf_calls[w]), int(wf_requests[w]), budgets[w]),
-            min(lowest[w] + 1, SAMPLE_MODULUS),
-        )
-        for w in range(n_wf)
-    ]
+    return wf_calls, wf_requests, lowest
+
+
+def _sample_table(
+    con: duckdb.DuckDBPyConnection, t: _Names, coded: _Pairs, keep: list[int]
+) -> None:
+    """Build ``t.k`` (each pair's workflow threshold ``keep``) and ``t.q``, the sampled
+    completed requests with their offsets ``off`` in the shifted layout (module docstring)."""
     con.execute(f"CREATE TEMP TABLE {t.k} (pair INTEGER, keep BIGINT)")
-    if pairs:
+    if coded.pairs:
         con.executemany(
-            f"INSERT INTO {t.k} VALUES (?, ?)", [(k, keep[w]) for k, (w, _) in enumerate(pairs)]
+            f"INSERT INTO {t.k} VALUES (?, ?)",
+            [(k, keep[w]) for k, (w, _) in enumerate(coded.pairs)],
         )
-    top_keep = max(keep, default=0)
     # extent covers starts too (a call may end before it starts); + 1 keeps ranges disjoint.
     con.execute(f"""
         CREATE TEMP TABLE {t.q} AS
@@ -292,49 +345,38 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
               WHERE r.complete AND r.rk % {SAMPLE_MODULUS} < k.keep)
         WINDOW w AS (ORDER BY t0, rk ROWS UNBOUNDED PRECEDING)
     """)
-    smp = con.execute(f"SELECT pair, dur, off, span FROM {t.q} ORDER BY off").fetchnumpy()
-    # The sample's calls: a cheap predicate (the highest threshold) drops most calls before
-    # the join probes.
-    got = con.execute(f"""
+
+
+def _sample_calls(
+    con: duckdb.DuckDBPyConnection, t: _Names, top_keep: int
+) -> dict[str, npt.NDArray[np.generic]]:
+    """The sampled requests' finished calls, shifted (``a``, ``b``) and sorted by ``a``."""
+    # A cheap predicate (the highest threshold) drops most calls before the join probes.
+    return con.execute(f"""
         SELECT n.pair, x.t_start + (q.off - q.t0) AS a, x.t_end + (q.off - q.t0) AS b
         FROM (SELECT * FROM {t.c} WHERE t_end IS NOT NULL AND rk % {SAMPLE_MODULUS} < {top_keep}) x
         JOIN {t.q} q USING (rk) JOIN {t.n} n USING (pk)
         ORDER BY a
     """).fetchnumpy()
-    unidentified = np.zeros(n_wf, dtype=np.int64)
+
+
+def _tally(counted: list[tuple[Any, ...]], coded: _Pairs) -> _Tally:
+    """Sort :func:`_windowed_counts`' rows into per-code arrays and histograms."""
+    n_pairs = len(coded.pairs)
+    unidentified = np.zeros(len(coded.workflows), dtype=np.int64)
     hist: dict[int, list[tuple[int, int, int]]] = {3: [], 5: []}
-    all_calls, all_dur = np.zeros(len(pairs), np.int64), np.zeros(len(pairs), np.int64)
+    all_calls, all_dur = np.zeros(n_pairs, np.int64), np.zeros(n_pairs, np.int64)
     for key, prompt, completion, unid, gid, count, n_all, d_all in counted:
-        k = pair_of[int(key)]
+        k = coded.pair_of[int(key)]
         if gid == 6 and unid:
-            unidentified[pairs[k][0]] += int(count)
+            unidentified[coded.pairs[k][0]] += int(count)
         elif gid == 6:
             all_calls[k], all_dur[k] = int(n_all), int(d_all)
         elif gid == 3 and prompt is not None and count:
             hist[3].append((k, int(prompt), int(count)))
         elif gid == 5 and completion is not None and count:
             hist[5].append((k, int(completion), int(count)))
-    pair_calls, pair_dur = _pair_totals(con, t, pair_of, all_calls, all_dur)
-    return Scan(
-        workflows=workflows,
-        pairs=pairs,
-        arrivals=arrivals,
-        unidentified=unidentified,
-        req_pair=_i32(req, "pair"),
-        req_t0=_i64(req, "t0"),
-        req_t1=_i64(req, "t1"),
-        pair_calls=pair_calls,
-        pair_dur=pair_dur,
-        smp_pair=_i32(smp, "pair"),
-        smp_dur=_i64(smp, "dur"),
-        smp_off=_i64(smp, "off"),
-        smp_span=_i64(smp, "span"),
-        call_pair=_i32(got, "pair"),
-        call_a=_i64(got, "a"),
-        call_b=_i64(got, "b"),
-        prompt=_histogram(hist[3]),
-        completion=_histogram(hist[5]),
-    )
+    return _Tally(unidentified, all_calls, all_dur, _histogram(hist[3]), _histogram(hist[5]))
 
 
 def _pair_totals(
