@@ -8,49 +8,35 @@ calls per request and request-level parallelism ``p_m``; with ``d_m`` replicas o
     latency         L_w  = Σ_m L_wm - Σ_(m,m') overlap(L_wm, L_wm') + tool_time
     throughput      T_w  = min_m d_m · T_m / n_m        (the argmin is the bottleneck)
 
-Beyond the paper: calls fanned out across *different* LLMs are not added as if serial. Per
-pair of stages whose calls ran at once in the traced requests (``overlaps``), the time both
-run is taken off the stage sum, and it is scaled with load as a fork-join of two independent
-branches of exponentially distributed lengths ``x`` and ``y`` (the stages' contributions)
-would, whose mean longest branch is ``x + y - xy/(x+y)``: the overlap is
-``coupling · xy/(x+y)``, at most the shorter stage, where ``coupling`` (traced overlap over
-``xy/(x+y)`` of the traced busy times) makes it exact at the traced load. So when one stage
-queues, the other, running beside it, stays hidden rather than shrinking the total: a single
-traced ratio (``overlap``: mean critical path / mean Σ per-model busy time) multiplied the
-slow stage's queueing by it, and put fan-out's 1B + 8B workflow 19% under the simulated
-latency at 80% load with a second 1B replica that changes nothing (``bench.accuracy.alp_accuracy``;
-over fan-out's 40 points at <= 80% load, on the same simulations, scaling the overlap by the
-smaller stage's growth misses by up to 20%, keeping the traced fraction of the shorter stage
-by up to 14%, this rule by 8.3%). Three models at once are counted pairwise, and the path is
-never shorter than its longest stage. ``overlap`` still stands in where no pairs are known (a
-scenario file's workflow) and for the allocation search's budget curves, which rank
-allocations by their stage sum. ``tool_time`` (mean uncovered time inside a request) is a
-fixed, load-independent stage.
+Overlap (beyond the paper): calls fanned out across different LLMs are not serial. Per pair
+of stages whose calls ran at once in the traced requests (``overlaps``), with contributions
+``x`` and ``y``, ``overlap(x, y) = min(coupling · xy/(x+y), min(x, y))``: the shared time of a
+fork-join of two independent exponential branches (mean longest ``x + y - xy/(x+y)``), with
+``coupling`` making it exact at the traced load. When one stage queues, the other, beside
+it, stays hidden. Three models at once count pairwise, and the path is never shorter than
+its longest stage. With no pairs known (a scenario file's workflow, the search's budget
+curves) the traced ratio ``overlap`` (mean critical path / mean Σ per-model busy time)
+stands in: ``L_w = overlap · Σ_m L_wm + tool_time``. ``tool_time`` (mean uncovered time
+inside a request) is a fixed, load-independent stage.
 
-Also beyond the paper, ``pooling``: ``d`` replicas behind a load-balancing router serve a
-call faster than one replica at ``λ/d`` (the paper's model), because the router puts a
-freely routed call on the replica with the fewest calls in flight, so it shares a smaller
-batch and a shorter queue than the average. A continuous-batching replica serves its calls
-together (processor sharing) and a placed call never moves, so the gain is far below a shared
-FCFS queue's: the excess of ``L_m`` over the profile's light-load latency is scaled by the
-M/M/c to M/M/1 waiting-time ratio at the same utilisation ``rho`` (Sakasegawa's
-approximation, ``rho^(sqrt(2(d+1)) - 2) / d``; 1 for one replica) raised to
-``POOLING_EXPONENT``. Only calls the router places freely gain: a request's later calls
-follow its prompt prefix to the replica that holds it (prefix affinity), so ``1 / n_m`` of a
-stage's calls pool. Measured against the simulator (``bench.accuracy.alp_accuracy``, 30 multi-replica
-RAG points): the full ratio on the convex part above a light-load trend line, as before,
-put 3-4 generator replicas at 80% load 15-30% under their simulated latency, and no pooling
-put them 20-50% over; this rule puts them within 10% (one point 19%).
+Pooling (beyond the paper): a router puts a freely routed call on the replica with the fewest
+calls in flight, so ``d`` replicas serve it faster than one at ``λ/d``; far less than a shared
+FCFS queue would (a batching replica shares its batch; a placed call never moves), and only
+for the ``1 / n_m`` of calls not pinned to a replica by prefix affinity. With ``L_m^0`` the
+profile's light-load latency and ``rho`` the utilisation:
 
-``p_m`` is the ratio-of-totals parallelism (``ModelStats.p_agg``) by default: with it,
-``n_m · L_m / p_m`` equals the mean per-request busy time of ``m`` at the traced load, so the
-prediction reproduces the trace's mean latency there; the paper's per-request average ``p``
-is available as ``parallelism="paper"``.
+    pooled L_m = L_m - (1 / n_m) · max(L_m - L_m^0, 0) · (1 - f(rho, d)^POOLING_EXPONENT)
+    f(rho, d)  = rho^(sqrt(2(d+1)) - 2) / d    (M/M/c over M/M/1 waiting, Sakasegawa; 1 at d=1)
+
+``p_m`` is the ratio-of-totals parallelism (``ModelStats.p_agg``) by default, so that
+``n_m · L_m / p_m`` is ``m``'s mean per-request busy time at the traced load and the prediction
+reproduces the trace's mean latency there; ``parallelism="paper"`` takes the per-request mean.
 
 Invariants: pure functions over frozen dataclasses, no I/O. A rate at or beyond any stage's
 capacity gives latency ``inf``. Stages whose profile was scaled from another GPU share are
 flagged (``scaled_from``). :func:`predict_many` evaluates a batch of allocations with numpy
 (100 000 in well under a second), grouping candidates by each model's (TP, share) profile.
+What was tried before these rules, and by how much it missed: bench/results/alp_history.md.
 """
 
 from __future__ import annotations
