@@ -8,7 +8,7 @@ too deep or out-of-range settings or scenario file) that a command lets through.
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Only the
 chosen subcommand's module is imported, so ``scepsy stats`` does not pay for the profiler's,
 the daemon's or the rollout backends' imports (about a second). Add a subcommand by adding
-one entry to :data:`COMMANDS`.
+one entry to :data:`COMMANDS`; a renamed one keeps its old name in :data:`ALIASES`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "optimizer.cli.inventory",
         "list this node's GPUs and NVLink domains, and write them as cluster settings",
     ),
-    "plan": (
-        "optimizer.cli.plan",
+    "allocate": (
+        "optimizer.cli.allocate",
         "search the GPU allocation for the workflows (from a store or a scenario) and place it",
     ),
     "render": (
@@ -57,6 +57,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run Scepsy end to end on an emulated 4-GPU node and write a report",
     ),
 }
+
+# old name -> command: an old name still runs its command, after one line on stderr saying
+# the new name (scripts written for it keep working).
+ALIASES: dict[str, str] = {"plan": "allocate"}
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$")
 _UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -114,6 +118,7 @@ def _module(name: str) -> ModuleType:
 def _chosen(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line (its first non-option word), if any."""
     first = next((a for a in argv if not a.startswith("-")), None)
+    first = ALIASES.get(first, first) if first is not None else None
     return first if first in COMMANDS else None
 
 
@@ -121,14 +126,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand with its help, and the arguments of ``command`` only: with no valid
     command argparse prints the usage, which needs none."""
     parser = argparse.ArgumentParser(
-        prog="scepsy", description="Scepsy optimizer: statistics, profiles, plans, rollouts."
+        prog="scepsy", description="Scepsy optimizer: statistics, profiles, allocations, rollouts."
     )
     add_version_argument(parser)
     # No default level here: the daemon (run) logs INFO, the one-shot commands WARNING.
     logs.add_arguments(parser, None)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, text) in COMMANDS.items():
-        sub_parser = sub.add_parser(name, help=text, description=text)
+        aliases = [old for old, new in ALIASES.items() if new == name]
+        sub_parser = sub.add_parser(name, aliases=aliases, help=text, description=text)
         add_version_argument(sub_parser)
         logs.add_arguments(sub_parser, "INFO" if name == "run" else "WARNING", defaults=False)
         if name == command:
@@ -140,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser(_chosen(words)).parse_args(words)
+        if args.command in ALIASES:
+            print(f"scepsy {args.command} is now scepsy {ALIASES[args.command]}", file=sys.stderr)
+            args.command = ALIASES[args.command]
         logs.configure_from_args(args, "INFO" if args.command == "run" else "WARNING")
         code: int = _module(args.command).run(args)
     except (UsageError, MissingExtraError, SettingsError) as exc:

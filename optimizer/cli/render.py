@@ -7,7 +7,7 @@ allocation's replicas on the cluster, and writes one YAML file per object plus a
 backend would. Prints the placement. Bad settings or an allocation that does not fit: one line
 on stderr, exit status 2, nothing written.
 
-:func:`target_for` (settings → placement → target groups) is shared with ``scepsy plan``.
+:func:`target_for` (settings → placement → target groups) is shared with ``scepsy allocate``.
 """
 
 from __future__ import annotations

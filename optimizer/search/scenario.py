@@ -1,6 +1,6 @@
 """Planning scenarios: workflows, target rates, a cluster and profiles in one YAML file.
 
-Role: the input of ``scepsy plan --scenario FILE`` when no trace store exists yet: each
+Role: the input of ``scepsy allocate --scenario FILE`` when no trace store exists yet: each
 workflow's Aggregate LLM Pipeline inputs (stages with ``n`` and ``p``, ``overlap``,
 ``tool_time``, the pairs of stages that run at once), its target rate, the ``cluster:``
 section (as in the settings file), per model its memory floor and allowed TP degrees, and

@@ -70,20 +70,20 @@ def test_bad_settings_files_are_one_line_errors(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_bad_scenarios_are_one_line_errors_naming_the_key(tmp_path: Path) -> None:
     _one_line_error(
-        scepsy("plan", "--scenario", _scenario(tmp_path, "rate", ".inf")),
+        scepsy("allocate", "--scenario", _scenario(tmp_path, "rate", ".inf")),
         "workflows[0].rate: must be a finite number",
     )
     _one_line_error(
-        scepsy("plan", "--scenario", _scenario(tmp_path, "tool_time", ".nan")),
+        scepsy("allocate", "--scenario", _scenario(tmp_path, "tool_time", ".nan")),
         "workflows[0].tool_time: must be a finite number",
     )
     _one_line_error(
-        scepsy("plan", "--scenario", SCENARIO, "--granularity", "100000000"),
+        scepsy("allocate", "--scenario", SCENARIO, "--granularity", "100000000"),
         "--granularity must be between 1 and 100",
     )
     deep = tmp_path / "deep.yaml"
     deep.write_text("workflows:\n" + "- " * 5_000 + "x\n")
-    _one_line_error(scepsy("plan", "--scenario", deep), "levels deep")
+    _one_line_error(scepsy("allocate", "--scenario", deep), "levels deep")
 
 
 @pytest.mark.timeout(120)
@@ -93,12 +93,12 @@ def test_a_missing_store_folder_is_an_error_not_an_empty_store(tmp_path: Path) -
     config.write_text(yaml.safe_dump(_settings_doc(tmp_path)))
     expected = f"store folder {missing} does not exist"
     _one_line_error(scepsy("stats", "--store", missing), expected)
-    _one_line_error(scepsy("plan", "--store", missing, "--config", config), expected)
+    _one_line_error(scepsy("allocate", "--store", missing, "--config", config), expected)
     _one_line_error(scepsy("profile", "--store", missing, "--model", "m"), expected)
 
 
 @pytest.mark.timeout(180)
-def test_stats_plan_and_a_daemon_pass_go_on_over_damaged_segments(tmp_path: Path) -> None:
+def test_stats_allocate_and_a_daemon_pass_go_on_over_damaged_segments(tmp_path: Path) -> None:
     store = tmp_path / "store"
     _profiles(store)
     _trace(store, [(1.0, 120.0)])
@@ -115,11 +115,11 @@ def test_stats_plan_and_a_daemon_pass_go_on_over_damaged_segments(tmp_path: Path
     assert '"rag"' in stats.stdout and str(truncated) in stats.stderr, stats.stderr
     for done in (
         stats,
-        scepsy("plan", "--store", store, "--config", config, "--json"),
+        scepsy("allocate", "--store", store, "--config", config, "--json"),
         scepsy("run", "--once", "--config", config),
     ):
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
         assert str(truncated) in done.stderr and str(garbage) in done.stderr, done.stderr
         assert done.stdout.startswith("{"), done.stdout  # its JSON: the statistics, the
-        # plan, the pass's decision (no_data: the trace lies before the daemon's window)
+        # allocation, the pass's decision (no_data: the trace lies before the daemon's window)

@@ -1,4 +1,4 @@
-"""``scepsy plan``: the paper scenario end to end (table, JSON, plot), store mode, bad input."""
+"""``scepsy allocate``: the paper scenario end to end (table, JSON, plot), store mode, bad input."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import orjson
 import pytest
 import yaml
 
-from bench.speed._search_instances import curve
 from optimizer.cli.main import main
 from optimizer.search.scenario import load_scenario
 from optimizer.store.profiles import save_points
 from shared.settings_schema import SettingsError
 from tests.optimizer.conftest import Row, call
+from tests.optimizer.search.instances import curve
 
 ROOT = Path(__file__).resolve().parents[3]
 PAPER = ROOT / "examples" / "scenario_paper.yaml"
@@ -28,7 +28,7 @@ def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]
 
 
 def test_paper_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _json(capsys, ["plan", "--scenario", str(PAPER), "--json"])
+    doc = _json(capsys, ["allocate", "--scenario", str(PAPER), "--json"])
     assert doc["feasible"] and doc["welfare"] == "egalitarian"
     assert set(doc["workflows"]) == {"beam_search", "rag_rerank"}
     rag = doc["workflows"]["rag_rerank"]
@@ -48,9 +48,25 @@ def test_paper_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["search"]["candidates_evaluated"] > 0 and doc["search"]["seconds"] > 0
 
 
+def test_plan_is_an_alias_that_names_the_new_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """Scripts written for ``scepsy plan`` keep working, told the new name on stderr."""
+    argv = ["--scenario", str(PAPER), "--json"]
+    assert main(["allocate", *argv]) == 0
+    new = capsys.readouterr()
+    assert main(["plan", *argv]) == 0
+    old = capsys.readouterr()
+    assert old.err == "scepsy plan is now scepsy allocate\n" and new.err == ""
+    drop = ("seconds",)  # the search's own timing differs run to run
+    a, b = orjson.loads(old.out), orjson.loads(new.out)
+    for doc in (a, b):
+        for key in drop:
+            doc["search"].pop(key)
+    assert a == b
+
+
 def test_paper_scenario_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "curves.png"
-    assert main(["plan", "--scenario", str(PAPER), "--plot", str(png)]) == 0
+    assert main(["allocate", "--scenario", str(PAPER), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     for word in ("beam_search", "e5-base-v2", "placement", "node-0", "predicted", "pruned"):
         assert word in out
@@ -61,7 +77,7 @@ def test_ablation_flags_and_rate_override(capsys: pytest.CaptureFixture[str]) ->
     doc = _json(
         capsys,
         [
-            "plan",
+            "allocate",
             "--scenario",
             str(PAPER),
             "--json",
@@ -77,7 +93,7 @@ def test_ablation_flags_and_rate_override(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_overload_is_reported_infeasible(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["plan", "--scenario", str(PAPER), "--json", "--rate", "beam_search=50"])
+    code = main(["allocate", "--scenario", str(PAPER), "--json", "--rate", "beam_search=50"])
     doc = orjson.loads(capsys.readouterr().out)
     beam = doc["workflows"]["beam_search"]
     assert not doc["feasible"] and not beam["feasible"]
@@ -123,10 +139,10 @@ def test_scenario_overlaps_reach_the_pipeline_and_are_checked(tmp_path: Path) ->
 
 
 def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--scenario", str(PAPER), "--rate", "nope=1"]) == 2
-    assert main(["plan", "--scenario", str(PAPER), "--rate", "rag_rerank"]) == 2
-    assert main(["plan", "--scenario", str(tmp_path / "missing.yaml")]) == 2
-    assert main(["plan", "--store", str(tmp_path)]) == 2  # --config missing
+    assert main(["allocate", "--scenario", str(PAPER), "--rate", "nope=1"]) == 2
+    assert main(["allocate", "--scenario", str(PAPER), "--rate", "rag_rerank"]) == 2
+    assert main(["allocate", "--scenario", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["allocate", "--store", str(tmp_path)]) == 2  # --config missing
     err = capsys.readouterr().err
     assert "unknown workflow" in err and "--config" in err
 
@@ -158,7 +174,7 @@ def test_store_mode(
             }
         )
     )
-    doc = _json(capsys, ["plan", "--store", str(store), "--config", str(config), "--json"])
+    doc = _json(capsys, ["allocate", "--store", str(store), "--config", str(config), "--json"])
     agent = doc["workflows"]["agent"]
     assert agent["rate"] == pytest.approx(2.0, rel=0.1)
     assert agent["feasible"] and set(agent["models"]) == {"gen", "ver"}

@@ -1,4 +1,4 @@
-"""``scepsy plan``: search the allocation, place it, and show both (table, JSON or plot).
+"""``scepsy allocate``: search the allocation, place it, and show both (table, JSON or plot).
 
 Role: the presentation edge of :mod:`optimizer.search.solve`. Inputs come either from a trace store
 (``--store DIR``: workflow statistics and the recorded profiles, with the cluster, the
