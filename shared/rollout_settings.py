@@ -34,9 +34,9 @@ __all__ = [
     "LocalSettings",
     "ModelCacheSettings",
     "ModelServing",
+    "NamedAllocation",
     "Quantity",
     "RolloutSettings",
-    "Scenario",
     "Toleration",
 ]
 
@@ -119,8 +119,10 @@ class AllocationEntry:
 
 
 @dataclass(frozen=True)
-class Scenario:
-    """A named allocation, e.g. the one after a traffic shift."""
+class NamedAllocation:
+    """A named allocation, e.g. the one after a traffic shift: an entry of the settings'
+    ``rollout.scenarios`` list (``scepsy render --scenario NAME``). Not a search scenario
+    file (:mod:`optimizer.search.scenario`)."""
 
     name: str = setting(doc="scenario name (scepsy render --scenario NAME)")
     allocation: tuple[AllocationEntry, ...] = setting(doc="the allocation of this scenario")
@@ -389,7 +391,7 @@ class RolloutSettings:
     allocation: tuple[AllocationEntry, ...] = setting(
         factory=tuple, doc="an explicit allocation, used where no search result is available"
     )
-    scenarios: tuple[Scenario, ...] = setting(
+    scenarios: tuple[NamedAllocation, ...] = setting(
         factory=tuple, doc="further named allocations (scepsy render --scenario NAME)"
     )
     drain_s: float = setting(

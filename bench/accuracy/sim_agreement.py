@@ -67,7 +67,9 @@ FIXED_LENGTH = ("--step-median-tokens", "64", "--step-sigma", "0")
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunShape:
+    """One agreement run's shape: speed-up, loads, durations, corpus size, seed."""
+
     speedup: float  # model seconds per wall second of the emulators
     fractions: tuple[float, ...]  # arrival rates as fractions of the simulated capacity
     warmup_s: float  # model seconds of arrivals not measured
@@ -80,10 +82,10 @@ class Plan:
 
 # Speed-ups: the client, proxy and emulator CPU per request (~50 ms on this 2-core machine)
 # is wall time the model's clock does not count; x speed-up it inflates emulated latencies.
-FULL = Plan(
+FULL = RunShape(
     speedup=1.0, fractions=(0.25, 0.5, 0.75), warmup_s=15.0, duration_s=110.0, passages=2_000
 )
-QUICK = Plan(
+QUICK = RunShape(
     speedup=2.0,
     fractions=(0.25, 0.5, 0.75),
     warmup_s=10.0,
@@ -213,12 +215,12 @@ class Schedule:
 
 
 def simulated_schedule(
-    allocation: Allocation, params: RagParams, rate: float, plan: Plan, seed: int
+    allocation: Allocation, params: RagParams, rate: float, shape: RunShape, seed: int
 ) -> Schedule:
     res = simulate(
         allocation,
         [WorkloadSpec("rag", rate, params)],
-        duration_s=plan.warmup_s + plan.duration_s,
+        duration_s=shape.warmup_s + shape.duration_s,
         seed=seed,
         record_calls=True,
     )
@@ -300,7 +302,7 @@ async def warm_relevance(url: str, model: str, texts: Sequence[str], batch: int 
 
 
 async def emulated_point(
-    plan: Plan,
+    shape: RunShape,
     allocation: Allocation,
     index: PassageIndex,
     asked: Sequence[str],
@@ -314,7 +316,7 @@ async def emulated_point(
         for _ in range(s.count)
     ]
     shutil.rmtree(workdir, ignore_errors=True)
-    async with EmulatedStack(engines, plan.speedup, workdir, seed=plan.seed) as stack:
+    async with EmulatedStack(engines, shape.speedup, workdir, seed=shape.seed) as stack:
         reranker = next(
             c for e, c in zip(engines, stack.emulators, strict=True) if e.model == cfg.reranker
         )
@@ -324,7 +326,7 @@ async def emulated_point(
         load0 = os.getloadavg()
         wall0, cpu0, client0 = time.monotonic(), stack.cpu(), time.process_time()
         try:
-            emu = await drive(endpoints, index, asked, cfg, schedule.arrivals, plan.speedup)
+            emu = await drive(endpoints, index, asked, cfg, schedule.arrivals, shape.speedup)
         finally:
             await endpoints.close()
         wall = time.monotonic() - wall0
@@ -353,7 +355,7 @@ def stats(values: Sequence[float]) -> dict[str, float]:
 
 
 def compare(
-    plan: Plan,
+    shape: RunShape,
     rate: float,
     frac: float,
     sched: Schedule,
@@ -361,7 +363,7 @@ def compare(
     long_run: dict[str, Any],
     extra: dict[str, Any],
 ) -> dict[str, Any]:
-    measured = [i for i, t in enumerate(sched.arrivals) if t >= plan.warmup_s]
+    measured = [i for i, t in enumerate(sched.arrivals) if t >= shape.warmup_s]
     e = stats([emu.latencies[i] for i in measured])
     s = stats([sched.latencies[i] for i in measured])
     engines = extra["engines"]
@@ -381,7 +383,7 @@ def compare(
         "call_s": {
             "simulated": sched.call_s,
             "emulated": {
-                m: v["mean_call_wall_ms"] / 1000 * plan.speedup
+                m: v["mean_call_wall_ms"] / 1000 * shape.speedup
                 for m, v in extra["calls"].items()
                 if v["mean_call_wall_ms"] is not None
             },
@@ -394,14 +396,14 @@ def compare(
 
 
 def long_run_stats(
-    allocation: Allocation, params: RagParams, rate: float, plan: Plan
+    allocation: Allocation, params: RagParams, rate: float, shape: RunShape
 ) -> dict[str, Any]:
     res = simulate(
         allocation,
         [WorkloadSpec("rag", rate, params)],
-        duration_s=plan.long_run_s,
-        warmup_s=plan.warmup_s,
-        seed=plan.seed + 1000,
+        duration_s=shape.long_run_s,
+        warmup_s=shape.warmup_s,
+        seed=shape.seed + 1000,
     )
     w = res.workflows["rag"]
     llama = next(r for r in res.replicas if r.model == params.generator)
@@ -415,16 +417,16 @@ def long_run_stats(
     }
 
 
-async def run(plan: Plan, out: Path) -> dict[str, Any]:
+async def run(shape: RunShape, out: Path) -> dict[str, Any]:
     cfg = RagConfig()
     allocation = rag_allocation()
-    texts = passages(plan.passages, seed=plan.seed)
+    texts = passages(shape.passages, seed=shape.seed)
     # distinct questions: a repeated question would find its whole prompt in the prefix cache
-    asked = list(dict.fromkeys(q.text for q in questions(20_000, seed=plan.seed)))
+    asked = list(dict.fromkeys(q.text for q in questions(20_000, seed=shape.seed)))
     # the index is built offline (not part of any request) by an in-process e5 emulator with
     # the stack's seed, so its vectors are the ones the stack's e5 would give
     async with serving(
-        EmulatorConfig(model=cfg.embedder, gpu="a6000", speedup=1e6, seed=plan.seed)
+        EmulatorConfig(model=cfg.embedder, gpu="a6000", speedup=1e6, seed=shape.seed)
     ) as e5:
         local = Endpoints(e5.base_url, max_retries=0)
         try:
@@ -432,19 +434,19 @@ async def run(plan: Plan, out: Path) -> dict[str, Any]:
         finally:
             await local.close()
     search_wall = search_seconds(index, cfg.retrieve)
-    params, tokens = rag_params(texts, asked, cfg, search_s=search_wall * plan.speedup)
-    cap = capacity(allocation, params, plan.seed, plan.capacity_s)
+    params, tokens = rag_params(texts, asked, cfg, search_s=search_wall * shape.speedup)
+    cap = capacity(allocation, params, shape.seed, shape.capacity_s)
     points = []
-    for k, frac in enumerate(plan.fractions):
+    for k, frac in enumerate(shape.fractions):
         rate = frac * cap
-        sched = simulated_schedule(allocation, params, rate, plan, plan.seed + k)
+        sched = simulated_schedule(allocation, params, rate, shape, shape.seed + k)
         if len(sched.arrivals) > len(asked):
             raise RuntimeError(f"{len(sched.arrivals)} requests but {len(asked)} questions")
         emu, extra = await emulated_point(
-            plan, allocation, index, asked, cfg, sched, out / f"work-{k}"
+            shape, allocation, index, asked, cfg, sched, out / f"work-{k}"
         )
-        long_run = long_run_stats(allocation, params, rate, plan)
-        points.append(compare(plan, rate, frac, sched, emu, long_run, extra))
+        long_run = long_run_stats(allocation, params, rate, shape)
+        points.append(compare(shape, rate, frac, sched, emu, long_run, extra))
         print(
             json.dumps(
                 {
@@ -462,7 +464,7 @@ async def run(plan: Plan, out: Path) -> dict[str, Any]:
             "emulated": "emulated engines in real time x speed-up, through the proxy",
             "simulated": "discrete-event simulation",
         },
-        "plan": asdict(plan),
+        "plan": asdict(shape),
         "allocation": [asdict(s) for s in allocation.replicas],
         "simulated_capacity_rps": cap,
         "workflow_params": asdict(params)
@@ -516,14 +518,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Emulated vs simulated RAG latency, three loads.")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--quick", action="store_true", help="shorter runs (under 4 minutes)")
-    p.add_argument("--speedup", type=float, default=None, help="override the plan's speed-up")
+    p.add_argument("--speedup", type=float, default=None, help="override the run shape's speed-up")
     args = p.parse_args(argv)
     reexec_single_threaded("bench.accuracy.sim_agreement", sys.argv[1:] if argv is None else argv)
-    plan = QUICK if args.quick else FULL
+    shape = QUICK if args.quick else FULL
     if args.speedup is not None:
-        plan = replace(plan, speedup=args.speedup)
+        shape = replace(shape, speedup=args.speedup)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(run(plan, args.out))
+    result = asyncio.run(run(shape, args.out))
     (args.out / "sim_agreement.json").write_text(json.dumps(result, indent=2))
     (args.out / "sim_agreement.md").write_text(table(result))
     print(json.dumps(result["summary"]))

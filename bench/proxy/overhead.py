@@ -70,7 +70,10 @@ _RECORDER_CLOSED = re.compile(r"recorder closed: (\d+) written, (\d+) dropped")
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunShape:
+    """One benchmark run's shape: how long each load runs, the concurrencies, the stream
+    and recorder loads."""
+
     duration_s: float
     warmup_s: float
     stream_duration_s: float
@@ -82,8 +85,8 @@ class Plan:
     stream_concurrency: int = 16
 
 
-QUICK = Plan(2.0, 1.0, 3.0, 64, 200_000, 100_000, 50_000.0)
-FULL = Plan(10.0, 2.0, 10.0, 64, 200_000, 500_000, 50_000.0)
+QUICK = RunShape(2.0, 1.0, 3.0, 64, 200_000, 100_000, 50_000.0)
+FULL = RunShape(10.0, 2.0, 10.0, 64, 200_000, 500_000, 50_000.0)
 TARGETS: dict[str, tuple[str, float]] = {
     "added_p50_ms_c1": ("<=", 0.5),
     "proxied_rps_c16": (">=", 4000.0),
@@ -176,24 +179,24 @@ def upstream_stats(upstream: Server) -> dict[str, int]:
         return {k: int(v) for k, v in orjson.loads(r.read()).items()}
 
 
-def plan_jobs(plan: Plan, upstream: Server, proxy: Server) -> list[tuple[str, Job]]:
+def plan_jobs(shape: RunShape, upstream: Server, proxy: Server) -> list[tuple[str, Job]]:
     """(target, job) for every load run, in the order they run: direct then proxied at each
     concurrency, then the streams. Direct jobs carry ``X-Bench-Direct`` (see bench.proxy._upstream);
     each job watches the CPU time of the server it loads (the upstream when direct)."""
     mark = (("X-Bench-Direct", "1"),)
     targets = (("direct", upstream, mark), ("proxied", proxy, ()))
     jobs: list[tuple[str, Job]] = []
-    for c in plan.concurrencies:
+    for c in shape.concurrencies:
         for target, server, headers in targets:
-            job = Job(server.url + ROUTE, BODY.decode(), c, plan.duration_s, plan.warmup_s)
+            job = Job(server.url + ROUTE, BODY.decode(), c, shape.duration_s, shape.warmup_s)
             jobs.append((target, replace(job, headers=headers, cpu_pid=server.proc.pid)))
     for target, server, headers in targets:
         job = Job(
             server.url + ROUTE,
             STREAM_BODY.decode(),
-            plan.stream_concurrency,
-            plan.stream_duration_s,
-            plan.warmup_s,
+            shape.stream_concurrency,
+            shape.stream_duration_s,
+            shape.warmup_s,
             stream=True,
         )
         jobs.append((target, replace(job, headers=headers, cpu_pid=server.proc.pid)))
@@ -211,13 +214,13 @@ def run_jobs(jobs: list[Job], client: str, cpus: Cpus) -> list[LoadResult | Stre
 
 
 def measure_http(
-    plan: Plan, client: str, place: Placement, logs: Path, store: Path
+    shape: RunShape, client: str, place: Placement, logs: Path, store: Path
 ) -> dict[str, Any]:
     """Upstream and proxy up; direct and proxied load at each concurrency; streams; shutdown
     and store check. Returns that part of the report."""
     upstream = Server(
         "upstream",
-        [sys.executable, "-m", "bench.proxy._upstream", "--chunks", str(plan.stream_chunks)],
+        [sys.executable, "-m", "bench.proxy._upstream", "--chunks", str(shape.stream_chunks)],
         place.others,
         logs,
     )
@@ -227,10 +230,10 @@ def measure_http(
         proxy_cmd += ["--upstream", f"{MODEL}={upstream.url}", "--store", str(store)]
         proxy_cmd += ["--workflow", WORKFLOW, "--log-level", "INFO"]
         proxy = Server("proxy", proxy_cmd, place.proxy, logs)
-        jobs = plan_jobs(plan, upstream, proxy)
+        jobs = plan_jobs(shape, upstream, proxy)
         results = run_jobs([j for _, j in jobs], client, place.others)
         runs: list[dict[str, Any]] = []
-        streams: dict[str, Any] = {"expected_events_per_stream": plan.stream_chunks + 1}
+        streams: dict[str, Any] = {"expected_events_per_stream": shape.stream_chunks + 1}
         for (target, job), res in zip(jobs, results, strict=True):
             if job.stream:
                 streams[target] = res.as_dict()
@@ -286,15 +289,15 @@ def print_http(report: dict[str, Any]) -> None:
         )
 
 
-def measure_recorder_runs(plan: Plan, place: Placement) -> dict[str, Any]:
+def measure_recorder_runs(shape: RunShape, place: Placement) -> dict[str, Any]:
     """The recorder on the proxy's core (the proxy has stopped by now): a burst the queue
-    holds, then a paced run at ``plan.recorder_rate``."""
+    holds, then a paced run at ``shape.recorder_rate``."""
     own = os.sched_getaffinity(0)
     if place.proxy:
         os.sched_setaffinity(0, place.proxy)
     try:
-        burst = asyncio.run(measure_recorder(plan.recorder_burst))
-        paced = asyncio.run(measure_recorder(plan.recorder_paced, rate=plan.recorder_rate))
+        burst = asyncio.run(measure_recorder(shape.recorder_burst))
+        paced = asyncio.run(measure_recorder(shape.recorder_paced, rate=shape.recorder_rate))
     finally:
         os.sched_setaffinity(0, own)
     for name, r in (("burst", burst), ("paced", paced)):
@@ -353,7 +356,7 @@ def judge(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_benchmark(plan: Plan, client: str = "auto", pin: bool = True) -> dict[str, Any]:
+def run_benchmark(shape: RunShape, client: str = "auto", pin: bool = True) -> dict[str, Any]:
     """Every measurement of this benchmark, with summary and targets."""
     if client == "auto":
         client = "wrk" if wrk_path() else "aiohttp"
@@ -362,10 +365,10 @@ def run_benchmark(plan: Plan, client: str = "auto", pin: bool = True) -> dict[st
     idle_before, load_before = idle_cpus(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="scepsy-bench-proxy-") as tmp:
         store = Path(tmp, "store")
-        http = measure_http(plan, client, place, Path(tmp), store)
+        http = measure_http(shape, client, place, Path(tmp), store)
     print_http(http)
     load_after = os.getloadavg()
-    recorder = measure_recorder_runs(plan, place)
+    recorder = measure_recorder_runs(shape, place)
     summary = summarise(http, recorder)
     return {
         "benchmark": "proxy_overhead",
@@ -381,7 +384,7 @@ def run_benchmark(plan: Plan, client: str = "auto", pin: bool = True) -> dict[st
             "loadavg_1m_after_http": round(load_after[0], 2),
         },
         "config": {
-            **asdict(plan),
+            **asdict(shape),
             "load_client": client,
             "stream_client": "aiohttp",
             "request_body": BODY.decode(),

@@ -61,15 +61,17 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunShape:
+    """One benchmark run's shape: each cell's duration and warm-up, rounds, concurrencies."""
+
     duration_s: float
     warmup_s: float
     rounds: int
     concurrencies: tuple[int, ...] = (1, 16)
 
 
-QUICK = Plan(1.0, 0.3, 1)
-FULL = Plan(4.0, 1.0, 2)
+QUICK = RunShape(1.0, 0.3, 1)
+FULL = RunShape(4.0, 1.0, 2)
 
 # One call: send, consume the body, return the number of SSE events seen (0 for JSON).
 Call = Callable[[bytes, bool], Awaitable[int]]
@@ -126,14 +128,14 @@ CLIENTS = {"scepsy": _scepsy, "aiohttp": _aiohttp}
 
 
 async def _cell(
-    client: str, url: str, stream: bool, concurrency: int, plan: Plan
+    client: str, url: str, stream: bool, concurrency: int, shape: RunShape
 ) -> dict[str, Any]:
     """Warm up, then ``concurrency`` workers back to back over the measured window."""
     call, close = await CLIENTS[client](url)
     body = SSE_BODY if stream else JSON_BODY
     counts = {"requests": 0, "errors": 0, "short": 0, "events": 0}
     measuring = False
-    stop_at = time.perf_counter() + plan.warmup_s
+    stop_at = time.perf_counter() + shape.warmup_s
 
     async def worker() -> None:
         while time.perf_counter() < stop_at:
@@ -152,7 +154,7 @@ async def _cell(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         measuring = True
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        stop_at = wall0 + plan.duration_s
+        stop_at = wall0 + shape.duration_s
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     finally:
@@ -177,20 +179,20 @@ class Cell:
     client: str
 
 
-def measure(url: str, plan: Plan) -> list[dict[str, Any]]:
+def measure(url: str, shape: RunShape) -> list[dict[str, Any]]:
     cells = [
         Cell(loop, body, c, client)
         for loop in LOOPS
         for body in ("json", "sse")
-        for c in plan.concurrencies
+        for c in shape.concurrencies
         for client in CLIENTS
     ]
     rounds: dict[Cell, list[dict[str, Any]]] = {cell: [] for cell in cells}
-    for _ in range(plan.rounds):
+    for _ in range(shape.rounds):
         for cell in cells:
             with asyncio.Runner(loop_factory=LOOPS[cell.loop]) as runner:
                 res = runner.run(
-                    _cell(cell.client, url, cell.body == "sse", cell.concurrency, plan)
+                    _cell(cell.client, url, cell.body == "sse", cell.concurrency, shape)
                 )
             rounds[cell].append(res)
             print(
@@ -230,7 +232,7 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_benchmark(plan: Plan, pin: bool) -> dict[str, Any]:
+def run_benchmark(shape: RunShape, pin: bool) -> dict[str, Any]:
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     cpus = sorted(os.sched_getaffinity(0))
@@ -241,7 +243,7 @@ def run_benchmark(plan: Plan, pin: bool) -> dict[str, Any]:
         own = os.sched_getaffinity(0)
         os.sched_setaffinity(0, mine)
         try:
-            results = measure(upstream.url, plan)
+            results = measure(upstream.url, shape)
         finally:
             os.sched_setaffinity(0, own)
             upstream.stop()
@@ -261,7 +263,7 @@ def run_benchmark(plan: Plan, pin: bool) -> dict[str, Any]:
             "aiohttp": aiohttp.__version__,
             "uvloop": version("uvloop"),
         },
-        "config": {**asdict(plan), "events_per_stream": EVENTS, "headers": [*map(list, HEADERS)]},
+        "config": {**asdict(shape), "events_per_stream": EVENTS, "headers": [*map(list, HEADERS)]},
         "summary": summarise(results),
         "results": results,
         "elapsed_s": round(time.perf_counter() - started, 1),

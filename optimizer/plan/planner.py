@@ -47,12 +47,12 @@ __all__ = [
     "Observed",
     "Plan",
     "PlanError",
-    "Replica",
     "ReplicaSpec",
     "Route",
     "RunningReplica",
     "Step",
     "StepKind",
+    "TargetReplica",
     "group_specs",
     "make_plan",
     "target_from_placement",
@@ -95,7 +95,10 @@ class ReplicaSpec:
 
 
 @dataclass(frozen=True)
-class Replica:
+class TargetReplica:
+    """A replica of the target: its id (its group's id and its place in the group, so the same
+    target gives the same id) and what it is. What runs is a :class:`RunningReplica`."""
+
     id: str
     spec: ReplicaSpec
 
@@ -107,7 +110,7 @@ class GroupSpec:
     id: str
     node: str
     gpus: tuple[int, ...]
-    replicas: tuple[Replica, ...]
+    replicas: tuple[TargetReplica, ...]
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -131,7 +134,7 @@ def _group(node: str, specs: Sequence[ReplicaSpec]) -> GroupSpec:
     gid = "g" + _digest([node, [list(s.key()) for s in ordered]])
     gpus = tuple(sorted({g for s in ordered for g in s.gpus}))
     return GroupSpec(
-        gid, node, gpus, tuple(Replica(f"{gid}-{k}", s) for k, s in enumerate(ordered))
+        gid, node, gpus, tuple(TargetReplica(f"{gid}-{k}", s) for k, s in enumerate(ordered))
     )
 
 
@@ -298,7 +301,7 @@ class Plan:
                     g["node"],
                     tuple(g["gpus"]),
                     tuple(
-                        Replica(
+                        TargetReplica(
                             r["id"], ReplicaSpec(**{**r["spec"], "gpus": tuple(r["spec"]["gpus"])})
                         )
                         for r in g["replicas"]

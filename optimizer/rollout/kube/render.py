@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from optimizer.plan.planner import GroupSpec, Replica, ReplicaSpec
+from optimizer.plan.planner import GroupSpec, ReplicaSpec, TargetReplica
 from shared.cluster import Cluster
 from shared.rollout_settings import KubernetesSettings, ModelServing, RolloutSettings
 
@@ -214,7 +214,7 @@ def group_from_pod(pod: dict[str, Any]) -> GroupSpec:
             raw["node"],
             tuple(raw["gpus"]),
             tuple(
-                Replica(
+                TargetReplica(
                     r["id"],
                     ReplicaSpec(
                         r["model"],
@@ -236,7 +236,7 @@ def group_from_pod(pod: dict[str, Any]) -> GroupSpec:
 
 def _engine_container(
     k: int,
-    replica: Replica,
+    replica: TargetReplica,
     group: GroupSpec,
     rollout: RolloutSettings,
     cluster: Cluster,

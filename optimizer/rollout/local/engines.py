@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import orjson
 
-from optimizer.plan.planner import GroupSpec, Replica, ReplicaSpec
+from optimizer.plan.planner import GroupSpec, ReplicaSpec, TargetReplica
 from optimizer.rollout.kube.render import MIB, engine_command
 from shared.cluster import Cluster
 from shared.rollout_settings import LocalSettings, RolloutSettings
@@ -197,7 +197,9 @@ class GroupRecord:
             g["node"],
             tuple(g["gpus"]),
             tuple(
-                Replica(r["id"], ReplicaSpec(**{**r["spec"], "gpus": tuple(r["spec"]["gpus"])}))
+                TargetReplica(
+                    r["id"], ReplicaSpec(**{**r["spec"], "gpus": tuple(r["spec"]["gpus"])})
+                )
                 for r in g["replicas"]
             ),
         )

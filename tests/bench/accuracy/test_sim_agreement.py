@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.accuracy.sim_agreement import Plan, run, table
+from bench.accuracy.sim_agreement import RunShape, run, table
 
-TINY = Plan(
+TINY = RunShape(
     speedup=20.0,
     fractions=(0.5,),
     warmup_s=1.0,

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from bench.proxy._upstream import Counters, EngineProtocol
-from bench.proxy.overhead import TARGETS, Plan, run_benchmark, write_report
+from bench.proxy.overhead import TARGETS, RunShape, run_benchmark, write_report
 
-TINY = Plan(
+TINY = RunShape(
     duration_s=0.3,
     warmup_s=0.1,
     stream_duration_s=0.4,
