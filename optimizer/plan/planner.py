@@ -467,6 +467,9 @@ def _surge(
     return copies
 
 
+_Old = tuple[str, tuple[RunningReplica, ...]]  # a running group: its id and replicas
+
+
 def make_plan(
     observed: Observed, target: Sequence[GroupSpec], cluster: Cluster | None = None
 ) -> Plan:
@@ -478,14 +481,34 @@ def make_plan(
     """
     running = observed.groups()
     routed_ids = observed.routed_ids()
-    ready_ids = {r.id for r in observed.replicas if r.ready}
     planner = _Planner(defaultdict(set))
     for r in observed.replicas:
         if r.id in routed_ids:
             planner.routed[r.model].add(r.id)
     served = {r.spec.model for g in target for r in g.replicas}
-    target_ids = {g.id for g in target}
+    kept = _repair_kept(planner, observed, target, running, routed_ids)
+    temporary = _replace(planner, observed, target, running, served, cluster)
+    running_models = {r.model for r in observed.replicas}
+    return Plan(
+        tuple(target),
+        tuple(planner.steps),
+        tuple(g.id for g in kept),
+        tuple(sorted(planner.outages)),
+        tuple(sorted(running_models - served)),
+        tuple(temporary),
+    )
 
+
+def _repair_kept(
+    planner: _Planner,
+    observed: Observed,
+    target: Sequence[GroupSpec],
+    running: Mapping[str, tuple[RunningReplica, ...]],
+    routed_ids: frozenset[str],
+) -> list[GroupSpec]:
+    """Order step 1: the target groups already running (kept); start what is missing of
+    them, wait for them, route what is unrouted."""
+    ready_ids = {r.id for r in observed.replicas if r.ready}
     kept = [g for g in target if g.id in running]
     present = {rid for g in kept for rid in (r.id for r in running[g.id])}
     planner.bring_up(
@@ -494,7 +517,21 @@ def make_plan(
         start={g.id: any(r.id not in present for r in g.replicas) for g in kept},
         ready={g.id: all(r.id in ready_ids for r in g.replicas) for g in kept},
     )
+    return kept
 
+
+def _replace(
+    planner: _Planner,
+    observed: Observed,
+    target: Sequence[GroupSpec],
+    running: Mapping[str, tuple[RunningReplica, ...]],
+    served: set[str],
+    cluster: Cluster | None,
+) -> list[GroupSpec]:
+    """Order steps 2-4: bring up the new groups and take down the old ones, freeing GPUs for
+    blocked new groups, with temporary copies where a model would go unserved; the
+    temporary groups started."""
+    target_ids = {g.id for g in target}
     pending_new = [g for g in target if g.id not in running]
     pending_old = sorted(
         ((gid, rs) for gid, rs in running.items() if gid not in target_ids),
@@ -516,51 +553,56 @@ def make_plan(
             planner.take_down(pending_old, served)
             break
         # Every new group waits for GPUs old groups hold: free those of the cheapest one.
-        options = []
-        for i, g in enumerate(pending_new):
-            blockers = [(gid, rs) for gid, rs in pending_old if _overlap(g, rs)]
-            lost = planner.lost([r for _, rs in blockers for r in rs], served)
-            options.append((len(lost), len(blockers), i, blockers))
-        n_lost, _, _, blockers = min(options, key=lambda o: o[:3])
-        lost = planner.lost([r for _, rs in blockers for r in rs], served)
-        copies = _surge(lost, blockers, busy, cluster) if n_lost and cluster else []
+        blockers, lost = _cheapest_blockers(planner, pending_new, pending_old, served)
+        copies = _surge(lost, blockers, busy, cluster) if lost and cluster else []
         if copies:
             surge = group_specs(copies)
             temporary += surge
             ids = {g.id: {r.id for r in g.replicas} for g in surge}
             planner.bring_up(surge, ids, {g.id: True for g in surge}, {g.id: False for g in surge})
-            pending_old += [
-                (
-                    g.id,
-                    tuple(
-                        RunningReplica(
-                            r.id,
-                            g.id,
-                            r.spec.model,
-                            g.node,
-                            r.spec.gpus,
-                            r.spec.share,
-                            r.spec.tp,
-                            "",
-                            False,
-                            r.spec.memory_bytes_per_gpu,
-                            r.spec.revision,
-                        )
-                        for r in g.replicas
-                    ),
-                )
-                for g in surge
-            ]
+            pending_old += [_as_running(g) for g in surge]
             continue
         planner.take_down(blockers, served)
         pending_old = [item for item in pending_old if item not in blockers]
+    return temporary
 
-    running_models = {r.model for r in observed.replicas}
-    return Plan(
-        tuple(target),
-        tuple(planner.steps),
-        tuple(g.id for g in kept),
-        tuple(sorted(planner.outages)),
-        tuple(sorted(running_models - served)),
-        tuple(temporary),
+
+def _cheapest_blockers(
+    planner: _Planner,
+    pending_new: Sequence[GroupSpec],
+    pending_old: Sequence[_Old],
+    served: set[str],
+) -> tuple[list[_Old], set[str]]:
+    """The old groups blocking one new group, chosen to leave the fewest models unserved,
+    then to stop the fewest groups, then first in target order; the models they would leave
+    unserved."""
+    options = []
+    for i, g in enumerate(pending_new):
+        blockers = [(gid, rs) for gid, rs in pending_old if _overlap(g, rs)]
+        lost = planner.lost([r for _, rs in blockers for r in rs], served)
+        options.append((len(lost), len(blockers), i, blockers))
+    _, _, _, blockers = min(options, key=lambda o: o[:3])
+    return blockers, planner.lost([r for _, rs in blockers for r in rs], served)
+
+
+def _as_running(g: GroupSpec) -> _Old:
+    """A temporary group as an old group to take down later (not ready, no URL)."""
+    return (
+        g.id,
+        tuple(
+            RunningReplica(
+                r.id,
+                g.id,
+                r.spec.model,
+                g.node,
+                r.spec.gpus,
+                r.spec.share,
+                r.spec.tp,
+                "",
+                False,
+                r.spec.memory_bytes_per_gpu,
+                r.spec.revision,
+            )
+            for r in g.replicas
+        ),
     )
