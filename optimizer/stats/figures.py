@@ -198,28 +198,8 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
         n, n_s = int(n_req[w]), int(n_smp[w])
         n_arr = int(got.arrivals[w])
         if n == 0:
-            # No request completed: every call lacked a request id (still show its count), or
-            # every request that arrived is still running (an overloaded workflow whose
-            # requests outlast the window: its arrivals are the one honest figure).
             if got.unidentified[w] or n_arr:
-                span_us = float(hi - lo) if lo is not None and hi is not None else 0.0
-                out[wf] = WorkflowStats(
-                    workflow=wf,
-                    requests=0,
-                    arrivals=n_arr,
-                    arrival_rate=n_arr / (span_us / US) if span_us > 0 else 0.0,
-                    window_s=span_us / US,
-                    unidentified_calls=int(got.unidentified[w]),
-                    latency_mean=math.nan,
-                    latency_cv=math.nan,
-                    critical_path_mean=math.nan,
-                    stage_sum_mean=math.nan,
-                    overlap_factor=1.0,
-                    tool_time_mean=math.nan,
-                    models={},
-                    bimodal=None,
-                    union_requests=0,
-                )
+                out[wf] = _none_completed(wf, n_arr, int(got.unidentified[w]), lo, hi)
             continue
         if lo is None or hi is None:  # the rate is (arrivals - 1) over first-to-last arrival
             t0 = got.req_t0[req_wf == w]
@@ -247,6 +227,32 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
             overlaps=overlaps.get(w, {}),
         )
     return dict(sorted(out.items()))
+
+
+def _none_completed(
+    wf: str, arrivals: int, unidentified: int, lo: int | None, hi: int | None
+) -> WorkflowStats:
+    """A workflow with calls but no completed request: every call lacked a request id (still
+    show its count), or every request that arrived is still running (an overloaded workflow
+    whose requests outlast the window: its arrivals are the one honest figure)."""
+    span_us = float(hi - lo) if lo is not None and hi is not None else 0.0
+    return WorkflowStats(
+        workflow=wf,
+        requests=0,
+        arrivals=arrivals,
+        arrival_rate=arrivals / (span_us / US) if span_us > 0 else 0.0,
+        window_s=span_us / US,
+        unidentified_calls=unidentified,
+        latency_mean=math.nan,
+        latency_cv=math.nan,
+        critical_path_mean=math.nan,
+        stage_sum_mean=math.nan,
+        overlap_factor=1.0,
+        tool_time_mean=math.nan,
+        models={},
+        bimodal=None,
+        union_requests=0,
+    )
 
 
 def _overlaps(
