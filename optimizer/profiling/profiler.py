@@ -271,13 +271,7 @@ async def run_point(
     loop = asyncio.get_running_loop()
     wl, k = rep.workload, rep.target.speedup
     wall_rate = rate * k
-    settle = SETTLE_MARGIN * settle_hint / k
-    want = max(settings.calls_per_point, settings.min_groups_per_point * wl.calls_per_group)
-    # first look after half the calls: a clear point stops there, a marginal one runs on
-    steady = max(0.5 * want / wall_rate, settings.min_point_s)
-    warmup = max(settings.warmup_fraction * steady, settle)
-    duration = min(warmup + steady, settings.max_point_s)
-    longest = duration + 3.0 * min(steady, duration - warmup)
+    warmup, steady, duration, longest = _point_times(wl, wall_rate, k, settings, settle_hint)
     times, order = schedule(wl, wall_rate, longest, rng)
     if progress is not None:
         progress.point_started(index, rate, duration)
@@ -352,15 +346,8 @@ async def run_point(
             f"(model time), e.g. {errors[0]}"
         )
     send_lag = late[0] / max(1, late[1])
-    # a client that starts groups late offers less than the schedule: the shortfall is its
-    # own, so the point says nothing about the rate the engine could take
-    client_bound = send_lag > CLIENT_LATE * (window[1] - window[0])
-    reason = (
-        "in-flight bound reached"
-        if overflow
-        else f"client-bound: groups started {send_lag:.2g}s late on average"
-        if client_bound
-        else saturation_reason(point, rate, light_p50, settings, groups)
+    client_bound, reason = _verdict(
+        point, rate, light_p50, settings, groups, overflow, send_lag, window
     )
     after = await engine_metrics(rep.session, rep.target.url)
     span = send_span(marks, start + 0.5 * (window[1] - start), window[1], wl.groups, order)
@@ -378,6 +365,48 @@ async def run_point(
     if progress is not None:
         progress.point_finished(index, result)
     return result
+
+
+def _point_times(
+    wl: Workload, wall_rate: float, speedup: float, settings: SweepSettings, settle_hint: float
+) -> tuple[float, float, float, float]:
+    """A point's planned (wall s) warm-up, steady stretch, first look (warm-up plus steady)
+    and longest run: the steady stretch sends half the calls a point wants (a clear point
+    stops there, a marginal one runs on), and the warm-up allows ``SETTLE_MARGIN`` times the
+    settle hint (model s)."""
+    settle = SETTLE_MARGIN * settle_hint / speedup
+    want = max(settings.calls_per_point, settings.min_groups_per_point * wl.calls_per_group)
+    # first look after half the calls: a clear point stops there, a marginal one runs on
+    steady = max(0.5 * want / wall_rate, settings.min_point_s)
+    warmup = max(settings.warmup_fraction * steady, settle)
+    duration = min(warmup + steady, settings.max_point_s)
+    longest = duration + 3.0 * min(steady, duration - warmup)
+    return warmup, steady, duration, longest
+
+
+def _verdict(
+    point: ProfilePoint,
+    rate: float,
+    light_p50: float | None,
+    settings: SweepSettings,
+    groups: float,
+    overflow: bool,
+    send_lag: float,
+    window: tuple[float, float],
+) -> tuple[bool, str | None]:
+    """Whether a finished point was client-bound, and why it counts as saturated (None: it
+    kept up): the in-flight bound, a late client, or :func:`saturation_reason`."""
+    # a client that starts groups late offers less than the schedule: the shortfall is its
+    # own, so the point says nothing about the rate the engine could take
+    client_bound = send_lag > CLIENT_LATE * (window[1] - window[0])
+    reason = (
+        "in-flight bound reached"
+        if overflow
+        else f"client-bound: groups started {send_lag:.2g}s late on average"
+        if client_bound
+        else saturation_reason(point, rate, light_p50, settings, groups)
+    )
+    return client_bound, reason
 
 
 async def engine_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
