@@ -3,8 +3,10 @@
 A venv with the test extra hides a missing runtime dependency (the demo's load drivers once died
 on ``import openai`` in every fresh clone while the suite stayed green), so these tests build
 their own venvs: the demo's (``-e '.[demo]'``, the README's first command) must import what the
-demo runs, and the sidecar's (``-e .``) must serve without the optimizer's packages and point
-at the right extra when an optimizer command needs one.
+demo runs; a wheel install (``'.[demo]'``, no link to the checkout) must hold the product
+without the repository's ``bench`` and ``tests`` and still import, away from the checkout,
+every module the demo starts; and the sidecar's (``-e .``) must serve without the optimizer's
+packages and point at the right extra when an optimizer command needs one.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ DEMO_MODULES = (
     "examples.load",
     "proxy.cli",
     "sim.cli",
-    "bench.accuracy.demo_profiles",
+    "sim.profiles",
 )
+# In the repository, never installed: the benches run from its root (python -m bench....).
+REPOSITORY_ONLY = ("bench", "tests")
 OPTIMIZER_ONLY = ("kubernetes", "rich", "matplotlib", "openai", "pynvml")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def _venv(path: Path, spec: str) -> Path:
+def _venv(path: Path, spec: str, *, editable: bool = True) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
     pip = subprocess.run(
-        [str(path / "bin" / "pip"), "install", "-q", "-e", spec],
+        [str(path / "bin" / "pip"), "install", "-q", *(["-e"] if editable else []), spec],
         capture_output=True,
         text=True,
         timeout=360,
@@ -71,6 +75,26 @@ def test_the_readme_demo_install_runs_the_entry_points_and_imports_the_demo(tmp_
     imports = "; ".join(f"import {m}" for m in DEMO_MODULES)
     done = _run([str(bin_ / "python"), "-c", imports], cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_wheel_install_holds_no_bench_and_imports_what_the_demo_starts(tmp_path: Path) -> None:
+    bin_ = _venv(tmp_path / "venv", f"{ROOT}[demo]", editable=False)
+    for package in REPOSITORY_ONLY:
+        done = _run([str(bin_ / "python"), "-c", f"import {package}"])
+        assert done.returncode != 0, f"{package} is installed"
+        assert f"No module named '{package}'" in done.stderr, done.stderr[-2000:]
+    done = _run([str(bin_ / "scepsy"), "demo", "--help"])
+    assert done.returncode == 0 and "--out" in done.stdout, done.stderr[-2000:]
+    # Away from the checkout, every module resolves to the installed copy.
+    imports = "; ".join(f"import {m}" for m in DEMO_MODULES)
+    done = _run([str(bin_ / "python"), "-c", f"{imports}; print(optimizer.__file__)"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    installed = Path(done.stdout.strip()).parents[1]
+    assert installed.name == "site-packages", installed
+    # The demo starts its processes from the folder its package came from: here site-packages.
+    for module in ("sim.profiles", "sim.cli", "proxy.cli", "examples.load"):
+        done = _run([str(bin_ / "python"), "-m", module, "--help"], cwd=installed)
+        assert done.returncode == 0, (module, done.stderr[-2000:])
 
 
 def test_the_sidecar_install_serves_without_the_optimizer_packages(tmp_path: Path) -> None:

@@ -167,3 +167,26 @@ def test_the_checks_catch_a_bad_import(tmp_path: Path) -> None:
     assert impure_reach(graph) == [
         "optimizer.search.solve reaches duckdb (through optimizer.store.profiles)"
     ]
+
+
+def test_product_tests_never_import_bench() -> None:
+    """The installed product has no ``bench`` package, so a test of the product must not need
+    it: ``tests/`` outside ``tests/bench`` imports no ``bench`` module (fixtures live in
+    ``tests/``, and the benches import them from there)."""
+
+    def bench_imports(path: Path) -> list[str]:
+        found = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [a.name for a in node.names if a.name.split(".")[0] == "bench"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found += [node.module] if node.module.split(".")[0] == "bench" else []
+        return found
+
+    tests = ROOT / "tests"
+    bad = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted(tests.rglob("*.py"))
+        if (tests / "bench") not in path.parents and (found := bench_imports(path))
+    }
+    assert bad == {}

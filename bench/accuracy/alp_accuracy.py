@@ -8,7 +8,7 @@ Per workflow (beam search, RAG, a fan-out across two different LLMs):
 1. trace: simulate a light load with generous replicas, write the calls as call records into a
    temporary store (``shared.store.SegmentWriter``) and summarise them with
    ``optimizer.stats.figures`` — the production path;
-2. profile by simulation (``bench.accuracy.sim_profile``): per model and (TP, share) used below, sweep
+2. profile by simulation (``sim.profiling``): per model and (TP, share) used below, sweep
    the workflow's rate with that model on one replica (fractional shares: next to busy copies
    of itself, as packed) and every other model over-provisioned, bisecting to the rate where
    the replica stops keeping up, then adding points below it;
@@ -63,18 +63,7 @@ from bench.accuracy.alp_truth import (
     evaluate,
     sim_allocation,
 )
-from bench.accuracy.sim_profile import (
-    FILL_LATENCIES,
-    FOLLOW_Z,
-    PROFILE_MAX_SCALE,
-    PROFILE_REQUESTS,
-    RECHECK_SCALE,
-    REFINE,
-    Case,
-    ProfileJob,
-    calls_to_rows,
-    run_profile,
-)
+from bench.accuracy.cases import Case, calls_to_rows
 from optimizer.model.alp import ModelAlloc, Pipeline, predict
 from optimizer.model.curves import ProfileBook
 from optimizer.stats.figures import WorkflowStats
@@ -82,6 +71,16 @@ from optimizer.stats.reader import summarise_store
 from shared.profile_points import ProfilePoint
 from shared.store import SegmentWriter
 from sim.des import WorkloadSpec, simulate
+from sim.profiling import (
+    FILL_LATENCIES,
+    FOLLOW_Z,
+    PROFILE_MAX_SCALE,
+    PROFILE_REQUESTS,
+    RECHECK_SCALE,
+    REFINE,
+    ProfileJob,
+    run_profile,
+)
 from sim.workflows import BeamParams, FanoutParams, RagParams
 
 GPU = "a6000"
@@ -396,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Longest first, so the pool does not end on one long job.
         order = sorted(
             (j for j in range(len(jobs)) if j not in done),
-            key=lambda j: -jobs[j].case.profile_calls,
+            key=lambda j: -jobs[j].target_calls,  # the case's profile_calls, or half in --quick
         )
         _progress(
             f"traced in {phase_s['trace']:.0f} s; profiling {len(order)} keys ({len(done)} reused)"

@@ -1,7 +1,7 @@
 """The ALP accuracy bench's ground truth: an allocation's simulated max throughput and mean
 latency (``sim.des``; every figure here is *simulated*).
 
-Role: ``evaluate(job)`` measures one allocation of a ``bench.accuracy.sim_profile.Case`` at one rate
+Role: ``evaluate(job)`` measures one allocation of a ``bench.accuracy.cases.Case`` at one rate
 (a latency job) or finds its maximum throughput (a capacity job); ``bench.accuracy.alp_accuracy``
 compares them with the pipeline's predictions.
 
@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.accuracy.sim_profile import Case, bracket, decide, keeps_up, marginal
+from bench.accuracy.cases import Case
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate, simulate_requests
+from sim.profiling import bracket, decide, keeps_up, marginal
 
 # Max throughput: the largest workflow rate the allocation keeps up with (completions within
 # 5% of arrivals over a long window), bracketed around the prediction by steps of CAP_STEP
@@ -165,7 +166,7 @@ def keeps_up_at(
 ) -> tuple[bool, bool, float]:
     """Did the workflow keep up at ``rate`` over ``scale`` x the case's window (completions
     within ``FOLLOW_TOLERANCE`` of arrivals), was a shortfall marginal
-    (``bench.accuracy.sim_profile.marginal``), and its completions per second. An overloaded verdict
+    (``sim.profiling.marginal``), and its completions per second. An overloaded verdict
     from a run too short for its latency is measured again (``stretch``), at most
     ``job.cap_stretches`` times; the last run decides."""
     window = scale * job.case.capacity_requests / rate

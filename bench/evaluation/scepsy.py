@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench.accuracy.sim_profile import PROFILE_REQUESTS, REFINE, Case, ProfileJob, run_profile
+from bench.accuracy.cases import Case
 from bench.evaluation.setup import (
     BEAM,
     GPU,
@@ -54,6 +54,7 @@ from shared.profile_points import ProfilePoint
 from sim.cluster import Allocation, ReplicaSpec
 from sim.cluster import place as sim_place
 from sim.des import WorkloadSpec, simulate
+from sim.profiling import PROFILE_REQUESTS, REFINE, ProfileJob, run_profile
 from sim.trace import write_trace
 
 # Profiled (tp, share) per model: the shares the search's choices sit on or just above (the

@@ -6,10 +6,11 @@ in under 3 minutes with ``--quick``, producing curves whose saturation throughpu
 workflow calling llama-3.2-1b and a RAG workflow calling e5-base-v2) into a fresh store, runs
 ``scepsy profile --quick`` once per model as a subprocess (timed end to end, emulator start-up
 included), and compares each stored curve's saturation throughput with
-:func:`implied_capacity`: the same replay workload (same bodies, tokenised as the emulator
-tokenises them, same forced output lengths, same dependencies) run on ``sim.engine.EngineCore``
-on a virtual clock with a deep backlog, i.e. the throughput the emulator's performance model
-sustains for this call mix. Every figure is *emulated* (profiles) or *simulated* (capacity).
+``implied_capacity`` (``tests.optimizer.profiling.capacity``, the profiler test's oracle): the
+same replay workload (same bodies, tokenised as the emulator tokenises them, same forced output
+lengths, same dependencies) run on ``sim.engine.EngineCore`` on a virtual clock with a deep
+backlog, i.e. the throughput the emulator's performance model sustains for this call mix.
+Every figure is *emulated* (profiles) or *simulated* (capacity).
 
     python -m bench.speed.profile_time --out DIR [--quick]
 
@@ -19,7 +20,6 @@ Writes ``DIR/profile_time.json``.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import subprocess
 import sys
@@ -27,18 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from optimizer.model.curves import Profile
-from optimizer.profiling.replay import GENERATE_ENDPOINTS, Workload, load_workload
+from optimizer.profiling.replay import load_workload
 from optimizer.store.profiles import load_points
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate
-from sim.engine import EngineCore, EngineRequest
-from sim.perf import perf_model
-from sim.text import BOS, render_chat, token_ids
 from sim.trace import write_trace
+from tests.optimizer.profiling.capacity import implied_capacity
 
 GPU = "a6000"
 MODELS = ("llama-3.2-1b", "e5-base-v2")
@@ -64,69 +61,6 @@ def make_store(store: Path, duration_s: float = 120.0, seed: int = 1) -> int:
     )
     write_trace(res, store)
     return len(res.calls)
-
-
-def _engine_request(workload: Workload, i: int, rid: str) -> EngineRequest:
-    """What the emulator submits for call ``i`` (its tokeniser, its chat template)."""
-    call = workload.calls[i]
-    body: dict[str, Any] = orjson.loads(call.body)
-    if call.endpoint in GENERATE_ENDPOINTS:
-        text = render_chat(body["messages"]) if "messages" in body else BOS + body["prompt"]
-        return EngineRequest(rid, token_ids(text), int(body["max_tokens"]))
-    text = body["input"] if isinstance(body["input"], str) else body["input"][0]
-    return EngineRequest(rid, token_ids(BOS + text), 0)
-
-
-def implied_capacity(
-    workload: Workload,
-    gpu: str,
-    tp: int = 1,
-    share: float = 1.0,
-    *,
-    backlog: int = 512,
-    calls: int = 6000,
-) -> float:
-    """Calls per (model) second the emulator's engine model sustains for this workload with
-    a deep backlog: groups start whenever fewer than ``backlog`` calls wait or run, each call
-    is submitted once its dependencies finished; throughput over the middle of the run, which
-    must be long enough for the prefix cache to warm (an embedder's 100 distinct inputs read
-    11% low over 2000 calls, within 0.1% from 3000 to 6000)."""
-    core = EngineCore(perf_model(workload.model, gpu, tp, share))
-    order = np.random.default_rng(0).permutation(len(workload.groups))
-    pending_deps: dict[str, int] = {}
-    dependents: dict[str, list[str]] = collections.defaultdict(list)
-    now, started = 0.0, 0
-    finished_at: list[float] = []
-    groups = iter(int(order[g % len(order)]) for g in range(1 << 30))
-
-    def start_group() -> int:
-        g = next(groups)
-        members = workload.groups[g]
-        tag = f"{started}-"
-        for i in members:
-            rid = tag + str(i)
-            deps = workload.calls[i].deps
-            pending_deps[rid] = len(deps)
-            for d in deps:
-                dependents[tag + str(d)].append(rid)
-            if not deps:
-                core.submit(_engine_request(workload, i, rid))
-        return len(members)
-
-    while len(finished_at) < calls:
-        while core.num_waiting + core.num_running < backlog:
-            started += start_group()
-        out = core.step()
-        now += out.duration
-        for rid in out.finished:
-            finished_at.append(now)
-            for nxt in dependents.pop(rid, []):
-                pending_deps[nxt] -= 1
-                if pending_deps[nxt] == 0:
-                    i = int(nxt.split("-")[1])
-                    core.submit(_engine_request(workload, i, nxt))
-    lo, hi = int(0.25 * calls), int(0.9 * calls)
-    return (hi - lo) / (finished_at[hi] - finished_at[lo])
 
 
 def profile_model(store: Path, model: str, quick: bool) -> dict[str, Any]:

@@ -8,7 +8,7 @@
 - ``random``: small random instances (<= 4 GPUs, <= 3 LLMs, as the tests use).
 
 Every point is one workflow with synthetic (simulated) profiles from
-``bench.speed._search_instances``; seconds are the best of ``repeats`` runs of ``search`` on this
+``tests.optimizer.search.instances``; seconds are the best of ``repeats`` runs of ``search`` on this
 machine (``cpu_seconds``: process CPU time, robust to other load on a shared machine). Wherever the exhaustive reference solver (``optimizer.search.reference``) finishes
 within its cap it runs too, and the point records whether the search's objective (feasible,
 served rate, latency evaluated the reference's way) equals the reference's, and whether the
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from bench.speed._search_instances import random_problem, scaled_problem
 from optimizer.model.alp import predict_many
 from optimizer.search.reference import ReferenceResult, ReferenceTimeout, solve
 from optimizer.search.solve import SearchResult, search
 from optimizer.search.space import SearchProblem
+from tests.optimizer.search.instances import random_problem, scaled_problem
 
 MAX_REFERENCE_VECTORS = 250_000  # beyond this the reference is not even tried
 

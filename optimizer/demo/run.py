@@ -8,13 +8,13 @@ plain ``openai`` SDK), shows live what the daemon learns and decides, triples th
 and writes ``DIR/report.md`` (with plots) and ``DIR/report.json``.
 
 Schedule (:class:`DemoConfig`, wall seconds): profiles are computed by simulation in a
-subprocess (:mod:`bench.accuracy.demo_profiles`) while the proxy and a bootstrap allocation (the
-settings' ``rollout.allocation``, placed and rolled out like any other) start; load runs for
-``warmup_s`` before the daemon starts (so that both workflows have a full window of
-statistics), then ``before_s`` more at the base rates, then ``after_s`` with two more RAG
-drivers (3x). The daemon re-plans on its own: nothing here tells it when the rate changed.
-Two of the four emulated GPUs are kept free (``optimizer.reserve_gpus``) so that every rollout
-can start temporary copies there: make-before-break, no client request fails.
+subprocess (``python -m sim.profiles``, as engines are ``sim.cli`` processes) while the proxy
+and a bootstrap allocation (the settings' ``rollout.allocation``, placed and rolled out like
+any other) start; load runs for ``warmup_s`` before the daemon starts (so that both workflows
+have a full window of statistics), then ``before_s`` more at the base rates, then ``after_s``
+with two more RAG drivers (3x). The daemon re-plans on its own: nothing here tells it when the
+rate changed. Two of the four emulated GPUs are kept free (``optimizer.reserve_gpus``) so that
+every rollout can start temporary copies there: make-before-break, no client request fails.
 
 It fails loudly: the load driver's imports are checked before anything starts, a driver that
 dies ends the run at once, and a run that completed no request, whose daemon never saw data,
@@ -201,6 +201,8 @@ class Stack:
                 stdout=stdout or log,
                 stderr=log,
                 start_new_session=True,
+                # The folder this package was imported from (the project, or site-packages
+                # once installed): `python -m` there imports the same code this process runs.
                 cwd=Path(__file__).resolve().parents[2],
             )
         self.procs.append(proc)
@@ -396,7 +398,7 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
                 [
                     sys.executable,
                     "-m",
-                    "bench.accuracy.demo_profiles",
+                    "sim.profiles",
                     "--out",
                     str(run / "profiles.json"),
                     "--beam",
@@ -425,8 +427,9 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
             timeline["bootstrap_ready"] = time.monotonic() - t0
             if await _wait_proc(profiles, 240) != 0:
                 raise RuntimeError(f"profiling failed: see {run / 'profiles.log'}")
-            save_points(settings.store.path, import_json((run / "profiles.json").read_bytes()))
-            book = ProfileBook(import_json((run / "profiles.json").read_bytes()))
+            simulated = import_json((run / "profiles.json").read_bytes())
+            save_points(settings.store.path, simulated)
+            book = ProfileBook(simulated)
             timeline["profiles_ready"] = time.monotonic() - t0
             phase = "traffic at base rates (beam search and RAG through the proxy)"
             show()

@@ -1,20 +1,27 @@
-"""Profiling by simulation: saturation of a dependency-bound workflow's model, rechecks
-(noise, and the workflow's fill)."""
+"""Profiling by simulation (sim.profiling): saturation of a dependency-bound workflow's model,
+rechecks (noise, and the workflow's fill); the demo's profiles command (sim.profiles)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
-from bench.accuracy.sim_profile import (
+from optimizer.model import curves
+from optimizer.model.curves import Profile
+from shared.profile_points import ProfilePoint, import_json
+from sim.profiling import (
     FILL_LATENCIES,
+    FOLLOW_TOLERANCE,
     FOLLOW_Z,
     RECHECK_SCALE,
-    Case,
     Measure,
     ProfileJob,
     Reading,
+    WorkflowSetup,
     _point,
     decide,
     keeps_up,
@@ -23,16 +30,14 @@ from bench.accuracy.sim_profile import (
     run_profile,
     uncertain,
 )
-from optimizer.model.curves import Profile
-from shared.profile_points import ProfilePoint
-from sim.workflows import BeamParams
+from sim.workflows import BeamParams, RagParams, models_of
 
 
 def test_a_dependency_bound_workflow_falling_behind_is_not_keeping_up() -> None:
     # Beam search sends a request's next verifier calls only when its last ones are done, so
     # past saturation the verifier's submitted calls track its completions (here ~97% of
     # them): the calls piled up there count per request arriving (~23 calls, ~3 at a time).
-    case = Case("beam", BeamParams(max_iterations=6), "a6000", 0.0, 0, 0)
+    case = WorkflowSetup("beam", BeamParams(max_iterations=6), "a6000")
     job = ProfileJob(
         case,
         "llama-3.1-8b-prm",
@@ -90,7 +95,7 @@ def _fake_measure(true_capacity: float, short_noise_from: float) -> Measure:
 
 
 def test_a_marginal_overload_is_measured_again_over_a_longer_window() -> None:
-    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    case = WorkflowSetup("beam", BeamParams(), "a6000")
     job = ProfileJob(
         case,
         "gen",
@@ -162,7 +167,7 @@ def _noisy_measure(true_capacity: float, asked: list[tuple[float, float]]) -> Me
 
 
 def test_a_verdict_within_its_noise_is_measured_again_either_way() -> None:
-    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    case = WorkflowSetup("beam", BeamParams(), "a6000")
     job = ProfileJob(
         case,
         "gen",
@@ -256,7 +261,7 @@ def _filling_measure(true_capacity: float, fill_s: float, asked: list[float]) ->
 
 
 def test_an_overload_the_workflows_fill_explains_is_measured_with_a_longer_warmup() -> None:
-    case = Case("beam", BeamParams(), "a6000", 0.0, 0, 0)
+    case = WorkflowSetup("beam", BeamParams(), "a6000")
     job = ProfileJob(
         case,
         "gen",
@@ -307,3 +312,41 @@ def test_refill_stands_for_a_backlog() -> None:
     # a longer run that fell further behind: a backlog
     assert refill_scale(reading(0.25, scale=2.0), 3.0, previous=reading(0.2)) is None
     assert refill_scale(reading(0.1, scale=2.0), 3.0, previous=reading(0.2)) == 6.0
+
+
+def test_the_keep_up_test_is_the_optimizers() -> None:
+    # sim cannot import the optimizer, so it keeps a copy of the tolerance its curves use
+    assert FOLLOW_TOLERANCE == curves.FOLLOW_TOLERANCE
+
+
+# ~4 s; fewer calls per point can leave one with no call started (an infinite latency)
+QUICK = ("--calls", "100", "--workers", "1", "--beam", "1,2,2")
+
+
+def test_the_demo_profiles_command_writes_simulated_points_of_every_demo_model(
+    tmp_path: Path,
+) -> None:
+    # As scepsy demo starts it: its own process, not from the project folder.
+    out = tmp_path / "profiles.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.profiles", "--out", str(out), *QUICK],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "simulated" in done.stdout
+    points = import_json(out.read_bytes())
+    assert {p.engine for p in points} == {"simulated"}
+    models = {m for params in (BeamParams(), RagParams()) for m in models_of(params)}
+    assert {p.model for p in points} == models
+    assert all(Profile.from_points(ps).saturation > 0 for ps in _by_model(points).values())
+
+
+def _by_model(points: list[ProfilePoint]) -> dict[str, list[ProfilePoint]]:
+    out: dict[str, list[ProfilePoint]] = {}
+    for p in points:
+        out.setdefault(p.model, []).append(p)
+    return out

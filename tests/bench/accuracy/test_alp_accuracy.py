@@ -19,8 +19,8 @@ from bench.accuracy.alp_accuracy import (
     quick_cases,
 )
 from bench.accuracy.alp_truth import mean_and_se, simulated_capacity
-from bench.accuracy.sim_profile import ProfileJob
 from shared.profile_points import ProfilePoint
+from sim.profiling import ProfileJob
 
 
 def test_mean_and_se_batch_means() -> None:

@@ -198,10 +198,10 @@ def test_profile_emulated_embedder_end_to_end(tmp_path: Path) -> None:
     """``scepsy profile --quick`` against a real emulator process (e5-base-v2) at the speed-up
     it calibrates itself, checked against the capacity the emulator's performance model
     implies for the same calls."""
-    from bench.speed.profile_time import implied_capacity
     from sim.cluster import Allocation, ReplicaSpec
     from sim.des import WorkloadSpec, simulate
     from sim.trace import write_trace
+    from tests.optimizer.profiling.capacity import implied_capacity
 
     alloc = Allocation(
         tuple(

@@ -1,4 +1,5 @@
-"""Synthetic allocation-search instances for tests and ``bench.speed.search_time`` (simulated profiles).
+"""Synthetic allocation-search instances for the search tests and ``bench.speed.search_time``
+(simulated profiles).
 
 Role: search problems with plausible but made-up LLM profiles, reproducible from a seed. A
 model's curve at TP ``t`` on a whole GPU: saturation ``T_1 · t^a`` calls/s and light-load latency

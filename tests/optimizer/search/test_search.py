@@ -8,15 +8,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench.speed._search_instances import (
-    GPU_MEMORY,
-    curve,
-    demand_rate,
-    random_models,
-    random_pipeline,
-    random_problem,
-    scaled_problem,
-)
 from optimizer.model.alp import Pipeline, Stage, predict_many
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import check_placement
@@ -39,6 +30,15 @@ from optimizer.search.space import (
     run_configs,
 )
 from shared.cluster import Cluster
+from tests.optimizer.search.instances import (
+    GPU_MEMORY,
+    curve,
+    demand_rate,
+    random_models,
+    random_pipeline,
+    random_problem,
+    scaled_problem,
+)
 
 INSTANCES = 60
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.accuracy.sim_profile import calls_to_rows
 from optimizer.stats.reader import summarise_store
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate
+from sim.trace import call_rows
 from sim.workflows import BeamParams
 from tests.optimizer.conftest import Row
 
@@ -28,7 +28,7 @@ def test_shares_vary_less_than_latency_on_simulated_beam_search(
     result = simulate(
         alloc, [WorkloadSpec("beam", 0.05, params)], n_requests=40, record_calls=True, seed=3
     )
-    stats = summarise_store(write_store(calls_to_rows(result.calls)))["beam"]
+    stats = summarise_store(write_store(call_rows(result, bodies=False)))["beam"]
     assert stats.requests == result.workflows["beam"].completed
     assert stats.latency_mean == pytest.approx(result.workflows["beam"].latency.mean, rel=1e-3)
     for model in (params.generator, params.verifier):
