@@ -43,6 +43,7 @@ LAYERS = (
 PURE = (
     "optimizer.stats.figures",
     "optimizer.stats.scanned",
+    "optimizer.stats.sample",
     "optimizer.stats.union",
     "optimizer.stats.modality",
     "optimizer.model",
