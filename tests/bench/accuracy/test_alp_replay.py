@@ -138,3 +138,14 @@ def test_main_writes_the_replay(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "max_throughput a:1x1x1 b:2x1x1" in printed
     written = orjson.loads((tmp_path / "out" / "alp_replay.json").read_bytes())
     assert written["summary"]["w"]["latency_error_mean"] == pytest.approx(1 / 11)
+
+
+def test_the_committed_full_run_replays_to_its_own_summary() -> None:
+    """The current ALP predicts the committed accuracy run's points exactly as that run did:
+    every summary figure equal to the last digit (a refactor that changes a prediction fails)."""
+    run = Path(__file__).resolve().parents[3] / "bench" / "results" / "alp_accuracy_full.json"
+    out = replay(run)
+    assert out["summary"]
+    for workflow, figures in out["summary"].items():
+        then = out["run_summary"][workflow]
+        assert {k: then[k] for k in figures} == figures, workflow
