@@ -1,25 +1,39 @@
-"""The dynamic scenario: the daemon's decision logic against the autoscaler, over time.
+"""The dynamic scenario: the optimizer daemon's pass against the autoscaler, over time.
 
-Role: ``bench.evaluation.evaluate``'s second scenario. Beam search holds a steady rate while the RAG rate
-steps up and down; both systems run in ``bench.evaluation.dynsim`` on the same arrivals (same seed):
+Role: ``bench.evaluation.evaluate``'s second scenario. Beam search holds a steady rate while the
+RAG rate steps up and down; both systems run in ``sim.dynamic`` on the same arrivals (same seed):
 
-- scepsy: the optimizer daemon's loop with its default settings (``OptimizerSettings``): every
-  ``interval_s`` the calls of the last ``window_s`` are written to a trace store as the proxy
-  writes them (``sim.trace.call_rows``; calls still in flight as open rows,
-  ``sim.trace.open_rows``, so queued requests count) and summarised
-  (``optimizer.stats.reader.summarise_store``), the detector
-  (``optimizer.control.decide.detect``) looks for confirmed changes, and on one the search runs at the
-  observed rates (``optimizer.search.solve.search_and_place``) and ``optimizer.control.decide.judge`` decides;
-  a rollout starts the changed models' new replicas, which serve after ``cold_start_s``, then
-  the replaced ones drain (make-before-break; # assumed: spare capacity for the overlap, which
-  the real rollout provides with surge replicas only where GPUs are free). The proposal is
-  built here from the search result (``optimizer.control.proposal`` was not final when this was
-  written). It starts from the allocation planned for the first step's rates.
-- hpa: ``bench.evaluation.dynsim.Hpa`` over all five models, from one replica each.
+- scepsy: the optimizer daemon's pass, :func:`optimizer.control.step.step`, the very function
+  ``optimizer.daemon.service.Daemon.tick`` calls, with the daemon's default settings
+  (``OptimizerSettings``; the search's granularity and headroom are the evaluation's, which
+  are the defaults) on the scenario's cluster. This module is only the glue that stands in for
+  the daemon's reads and its backend, as :class:`SimulatedDaemon`: every ``interval_s``
+  1. read: the calls the proxy would have written by now go to a trace store
+     (``sim.trace.call_rows``; calls in flight for a flush interval as open rows,
+     ``sim.trace.open_rows``, so queued requests count), and the window is read as the daemon
+     reads it (``optimizer.daemon.service.window_stats``, ``recent_models``); what runs is the
+     simulator's replicas as a backend observes them; profiles are the evaluation's
+     (``Knowledge.book``);
+  2. step;
+  3. execute: a taken decision's plan runs on the simulator step by step: ``start`` starts a
+     GPU group's replicas laid out where the placement put them (``sim.dynamic.colocate``),
+     ``wait_ready`` waits the ``cold_start_s`` they take, ``add_route`` routes them (they serve
+     from ready on), ``drain`` withdraws replicas and waits until they finished what they hold
+     or ``rollout.drain_s`` passed (as the local backend does), and ``stop`` forgets them
+     (# assumed: a simulated replica still finishes its calls after the stop, and its GPUs
+     contend with nothing started after it). The daemon's pass awaits its rollout, so ticks falling inside one are
+     skipped (# assumed: the next pass keeps the interval grid; the daemon's would follow the
+     rollout at once); the cooldown runs from the rollout's end;
+  4. record: one entry per pass in ``decisions``.
+  It starts from the allocation searched and placed for the first step's rates, with the
+  evaluation's pipelines (``Knowledge.pipelines``).
+- hpa: ``sim.hpa.Hpa`` over all five models, from one replica each.
 
 Reported: per system, reconfigurations (Scepsy: rollouts; HPA: syncs that started or retired
 pods) in total and per rate step, replicas started, mean latency per workflow, and latency over
-time (30 s buckets by arrival). Every figure is simulated.
+time (30 s buckets by arrival); for Scepsy also the passes whose change could not be placed or
+planned without leaving a model unserved (``rollouts_unplaced``: no rollout happened). Every
+figure is simulated.
 """
 
 from __future__ import annotations
@@ -28,79 +42,200 @@ import functools
 import itertools
 import shutil
 import tempfile
-from collections import Counter
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.evaluation.dynsim import DynamicSimulation, Hpa, run_dynamic
 from bench.evaluation.runs import COLD_START_S
-from bench.evaluation.scepsy import Knowledge, capacity, plan, problem, specs_of
+from bench.evaluation.scepsy import Knowledge, allocate, capacity, specs_of
 from bench.evaluation.setup import (
     COMBINED_BEAM_FRACTION,
     DYNAMIC_DRAIN_S,
+    GRANULARITY,
+    HEADROOM,
+    cluster,
+    memory_floor_bytes,
     workflow_models,
     workloads,
 )
-from optimizer.control.decide import (
-    DetectorState,
-    Outlook,
-    Proposal,
-    after_rollout,
-    detect,
-    judge,
-    snapshot_from_stats,
+from optimizer.control.proposal import cluster_without, search_problem
+from optimizer.control.step import RECENT_S, ControlState, StepInput, step
+from optimizer.daemon.service import US, first_call_us, recent_models, window_stats
+from optimizer.plan.planner import (
+    GroupSpec,
+    Observed,
+    Plan,
+    Route,
+    RunningReplica,
+    target_from_placement,
 )
-from optimizer.model.alp import ModelAlloc, predict
-from optimizer.search.solve import SearchResult, search_and_place
-from optimizer.stats.figures import Window
-from optimizer.stats.reader import summarise_store
-from shared.optimizer_settings import OptimizerSettings
-from shared.settings import StoreSettings
+from optimizer.search.solve import search_and_place
+from shared.cluster import GB, Cluster, cluster_from_settings, settings_mapping
+from shared.settings import Settings, StoreSettings, settings_from_mapping
 from shared.store import SegmentWriter
-from sim.cluster import Allocation
+from sim.cluster import Allocation, Replica
 from sim.des import SimResult
+from sim.dynamic import DynamicSimulation, colocate, run_dynamic
+from sim.hpa import Hpa
 from sim.trace import DEFAULT_T0_US, call_rows, open_rows
 
 STEPS = (0.25, 0.7, 0.25, 0.55)  # RAG rate per step, x Scepsy's RAG capacity next to beam
 BUCKET_S = 30.0
 FLUSH_S = StoreSettings().flush_interval_s  # the proxy announces calls running this long
-Running = dict[str, dict[str, ModelAlloc]]
+T0 = DEFAULT_T0_US / US  # the trace store's epoch second of simulated time 0
+DRAIN_POLL_S = 1.0  # how often a drain looks whether the replicas finished
+UNPLACED = ("PlanningError: no placement fits", "PlanningError: no rollout order")
 
 
-def _running(result: SearchResult) -> Running:
-    return {w.workflow: dict(w.allocation) for w in result.workflows}
+def daemon_settings(gpus: int, store: Path) -> Settings:
+    """The daemon's settings for the scenario: defaults, on the evaluation's cluster, with the
+    evaluation's models and memory floors (and its search granularity and headroom)."""
+    models = sorted(set(workflow_models("combined")))
+    return settings_from_mapping(
+        {
+            "store": {"path": str(store)},
+            "cluster": settings_mapping(cluster(gpus)),
+            "rollout": {
+                "models": [{"name": m, "min_memory_gb": memory_floor_bytes(m) / GB} for m in models]
+            },
+            "optimizer": {
+                "granularity": GRANULARITY,
+                "headroom": HEADROOM,
+                "cold_start_s": COLD_START_S,
+            },
+        },
+        env=None,
+    )
 
 
-def _allocation(running: Running) -> Allocation:
-    return specs_of((m, a.replicas, a.tp, a.share) for w in running.values() for m, a in w.items())
+def _gpu_ids(c: Cluster) -> dict[tuple[str, int], int]:
+    """A simulator GPU index per (node, GPU) of the cluster."""
+    pairs = [(n.name, g.index) for n in c.nodes for g in n.gpus]
+    return {p: i for i, p in enumerate(pairs)}
+
+
+def _running(group: GroupSpec, ready: bool) -> list[RunningReplica]:
+    return [
+        RunningReplica(
+            r.id,
+            group.id,
+            r.spec.model,
+            group.node,
+            r.spec.gpus,
+            r.spec.share,
+            r.spec.tp,
+            f"sim://{r.id}",
+            ready,
+            r.spec.memory_bytes_per_gpu,
+            r.spec.revision,
+        )
+        for r in group.replicas
+    ]
 
 
 @dataclass
-class Daemon:
-    """The daemon's loop as a simulator controller (see the module docstring)."""
+class SimulatedDaemon:
+    """The daemon's loop on the simulator: read → step → execute → record (module docstring)."""
 
     k: Knowledge
-    gpus: int
-    running: Running
-    cfg: OptimizerSettings = field(default_factory=OptimizerSettings)
-    state: DetectorState = field(default_factory=DetectorState)
-    store: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="scepsy-daemon-")))
+    settings: Settings
+    control: ControlState = field(default_factory=ControlState)
     decisions: list[dict[str, Any]] = field(default_factory=list)
-    rollouts: list[float] = field(default_factory=list)
-    unplaced: list[float] = field(default_factory=list)  # rollouts decided, not placeable
-    started: int = 0
+    rollouts: list[float] = field(default_factory=list)  # when a rollout was decided (sim s)
+    unplaced: list[float] = field(default_factory=list)  # changes not placeable or plannable
+    started: int = 0  # replicas started by rollouts
+    replicas: dict[str, RunningReplica] = field(default_factory=dict)  # what a backend sees
+    routed: set[str] = field(default_factory=set)  # replica ids the proxies route to
+    engines: dict[str, Replica] = field(default_factory=dict)  # replica id -> simulated one
+    busy: bool = False  # a rollout is in flight: the daemon's pass is awaiting it
+    _data_start_us: int | None = None
     _written: int = 0
     _announced: set[int] = field(default_factory=set)  # calls written as open rows
+
+    def __post_init__(self) -> None:
+        self.cfg = self.settings.optimizer
+        self.store = self.settings.store.path
+        self.cluster = cluster_from_settings(self.settings.cluster)
+        self.gpu_ids = _gpu_ids(self.cluster)
 
     @property
     def interval_s(self) -> float:
         return self.cfg.interval_s
 
-    def _record(self, sim: DynamicSimulation) -> None:
+    # --- the start: what runs before the first pass ----------------------------------------
+    def initial(self, rates: Mapping[str, float]) -> tuple[GroupSpec, ...]:
+        """The target groups of the allocation searched and placed for ``rates``, with the
+        evaluation's pipelines."""
+        search_cluster = cluster_without(self.cluster, self.cfg.reserve_gpus)
+        pipes = {w: self.k.pipelines[w] for w in rates}
+        problem = search_problem(self.settings, pipes, rates, self.k.book, search_cluster)
+        placed = search_and_place(problem)
+        if placed.placement is None:
+            raise ValueError(
+                "the first step's allocation does not place: " + "; ".join(placed.failures)
+            )
+        return target_from_placement(placed.placement, self.settings.rollout.revisions())
+
+    def adopt(self, groups: tuple[GroupSpec, ...], engines: list[Replica]) -> None:
+        """``engines``, the simulation's initial replicas (built from :func:`allocation_of`
+        ``groups``, in that order), run ``groups``: ready, routed, laid out as placed."""
+        running = [r for g in groups for r in _running(g, ready=True)]
+        for r, e in zip(running, engines, strict=True):
+            assert e.spec.model == r.model, (e.spec.model, r.model)
+            self.replicas[r.id], self.engines[r.id] = r, e
+            self.routed.add(r.id)
+        colocate(engines, [self.sim_gpus(r) for r in running])
+
+    def sim_gpus(self, r: RunningReplica) -> tuple[int, ...]:
+        return tuple(self.gpu_ids[(r.node, g)] for g in r.gpus)
+
+    # --- one pass ---------------------------------------------------------------------------
+    def tick(self, sim: DynamicSimulation) -> None:
+        self._write(sim)
+        if self.busy:  # the daemon's pass is still awaiting its rollout
+            return
+        # read
+        now = T0 + sim.now
+        if self._data_start_us is None:
+            self._data_start_us = first_call_us(self.store)
+        stats, span = window_stats(self.store, now, self.cfg, self._data_start_us)
+        recent = frozenset(recent_models(self.store, round((now - RECENT_S) * US)))
+        routes = tuple(
+            Route(self.replicas[r].model, self.replicas[r].url) for r in sorted(self.routed)
+        )
+        observed = Observed(tuple(self.replicas.values()), routes)
+        # step
+        inp = StepInput(
+            self.control, stats, span, observed, self.k.book, self.settings, now, recent
+        )
+        out = step(inp)
+        # record (a rollout's outcome is added when it ends)
+        d = out.decision
+        entry: dict[str, Any] = {"t": sim.now, "kind": d.kind}
+        if d.kind not in ("no_data", "steady", "pending"):
+            entry |= {"reasons": d.reasons, "rates": {w: s.arrival_rate for w, s in stats.items()}}
+        self.decisions.append(entry)
+        if d.kind == "error" and d.reasons[-1].startswith(UNPLACED):
+            self.unplaced.append(sim.now)
+        # execute
+        if not d.taken or out.plan is None:
+            self.control = out.state
+            return
+        self.rollouts.append(sim.now)
+        self.busy = True
+
+        def done() -> None:
+            entry["outcome"] = "ok"
+            self.control = out.after_rollout(T0 + sim.now, ok=True)
+            self.busy = False
+
+        _Rollout(self, sim, out.plan, done).advance()
+
+    def _write(self, sim: DynamicSimulation) -> None:
         """What the proxy would have written by now: the calls finished since the last tick,
         and open rows for the calls running for at least a flush interval, once each."""
         new = sim.trace[self._written :]
@@ -125,86 +260,83 @@ class Daemon:
             finally:
                 writer.close()
 
-    def _predict(self, running: Running, rates: dict[str, float]) -> dict[str, float]:
-        out = {}
-        for w, rate in rates.items():
-            if w in running and rate > 0:
-                out[w] = predict(self.k.pipelines[w], self.k.book, running[w], rate).latency
-        return out
 
-    def tick(self, sim: DynamicSimulation) -> None:
-        self._record(sim)
-        cfg, now = self.cfg, sim.now
-        # The trace starts with the run (t = 0): a window reaching before it would read the
-        # rates low (arrivals over the whole window length), so it starts there.
-        start = max(0.0, now - cfg.window_s)
-        window = Window(
-            DEFAULT_T0_US + round(start * 1e6),
-            DEFAULT_T0_US + round(now * 1e6),
-            round(cfg.settle_s * 1e6),
-        )
-        stats = summarise_store(self.store, window)
-        snap = snapshot_from_stats(now, now - start, stats)
-        rates = {w: o.rate for w, o in snap.workflows.items() if w in self.k.pipelines}
-        det = detect(self.state, snap, cfg, self._predict(self.running, rates))
-        if not det.act:
-            decision, self.state = judge(self.state, det, None, cfg)
-            self.decisions.append({"t": now, "kind": decision.kind})
+def _drained(engines: list[Replica]) -> bool:
+    return all(e.outstanding == 0 and not e.engine.has_work() for e in engines)
+
+
+def allocation_of(groups: tuple[GroupSpec, ...]) -> Allocation:
+    """The simulator's allocation of ``groups``: one spec per replica, in order."""
+    return specs_of((r.spec.model, 1, r.spec.tp, r.spec.share) for g in groups for r in g.replicas)
+
+
+@dataclass
+class _Rollout:
+    """A plan executed on the simulator, step by step (see the module docstring)."""
+
+    daemon: SimulatedDaemon
+    sim: DynamicSimulation
+    plan: Plan
+    done: Callable[[], None]
+    next: int = 0
+    ready: set[str] = field(default_factory=set)  # groups whose started replicas serve
+
+    def advance(self) -> None:
+        d, steps = self.daemon, self.plan.steps
+        while self.next < len(steps):
+            s = steps[self.next]
+            if s.kind == "start":
+                self._start(self.plan.group(s.group))
+            elif s.kind == "wait_ready" and s.group not in self.ready:
+                return  # resumed once the group serves
+            elif s.kind == "add_route":
+                d.routed.update(s.replicas)
+            elif s.kind == "drain":  # consecutive drains go together, as the executor's
+                batch = list(itertools.takewhile(lambda x: x.kind == "drain", steps[self.next :]))
+                ids = [r for b in batch for r in b.replicas]
+                engines = [d.engines[r] for r in ids if r in d.engines]
+                self.sim.retire(engines)
+                d.routed.difference_update(ids)
+                self.next += len(batch)
+                if not _drained(engines):
+                    self._wait_drained(engines, self.sim.now + d.settings.rollout.drain_s)
+                    return  # resumed once they finished what they hold, or at the deadline
+                continue
+            elif s.kind == "stop":
+                for r in s.replicas:
+                    d.replicas.pop(r, None)
+                    d.engines.pop(r, None)
+                    d.routed.discard(r)
+            self.next += 1
+        self.done()
+
+    def _wait_drained(self, engines: list[Replica], deadline: float) -> None:
+        def check() -> None:
+            if _drained(engines) or self.sim.now >= deadline:
+                self.advance()
+            else:
+                self._wait_drained(engines, deadline)
+
+        self.sim.at(min(self.sim.now + DRAIN_POLL_S, deadline), check)
+
+    def _start(self, group: GroupSpec) -> None:
+        d = self.daemon
+        fresh = [r for r in _running(group, ready=False) if r.id not in d.replicas]
+        if not fresh:
+            self.ready.add(group.id)
             return
-        targets = {w: rates.get(w, 0.0) for w in self.running}
-        targets = {w: r for w, r in targets.items() if r > 0}
-        placed = search_and_place(problem(self.k, targets, self.gpus))
-        proposed = _running(placed.result)
-        current = self._predict(self.running, targets)
-        outlook = tuple(
-            Outlook(w, r, current.get(w, float("inf")), placed.result.workflow(w).latency)
-            for w, r in targets.items()
-        )
-        old, new = _allocation(self.running), _allocation(proposed)
-        before = Counter(old.replicas)
-        moved = sum((Counter(new.replicas) - before).values())
-        total = sum(s.count for s in new.replicas)
-        same = Counter(new.replicas) == before
-        proposal = Proposal(
-            outlook, placed.result.feasible, moved / max(total, 1) if not same else 0.0, same
-        )
-        prior = self.state
-        decision, decided = judge(prior, det, proposal, cfg)
-        self.decisions.append(
-            {"t": now, "kind": decision.kind, "reasons": decision.reasons, "rates": targets}
-        )
-        self.state = decided
-        if decision.taken and placed.placement is None:
-            # the search's allocation does not place (fragmentation): nothing can roll out
-            self.unplaced.append(now)
-            self.decisions[-1]["kind"] = "rollout_unplaced"
-            self.decisions[-1]["failures"] = placed.failures
-            self.state = prior
-        elif decision.taken:
-            self._roll_out(sim, self.running, proposed)
-            self.running = proposed
-            self.rollouts.append(now)
-            self.state = after_rollout(decided, prior, now + sim.cold_start_s, ok=True)
+        d.started += len(fresh)
+        d.replicas |= {r.id: r for r in fresh}
 
-    def _roll_out(self, sim: DynamicSimulation, old: Running, new: Running) -> None:
-        """Start the models whose configuration changed; retire their old replicas once the
-        new ones serve."""
+        def serving(_live: list[Replica]) -> None:
+            d.replicas |= {r.id: replace(r, ready=True) for r in fresh}
+            self.ready.add(group.id)
+            self.advance()
 
-        def per_model(r: Running) -> dict[str, tuple[tuple[int, int, float], ...]]:
-            out: dict[str, list[tuple[int, int, float]]] = {}
-            for w in r.values():
-                for m, a in w.items():
-                    out.setdefault(m, []).append((a.replicas, a.tp, round(a.share, 6)))
-            return {m: tuple(sorted(v)) for m, v in out.items()}
-
-        a, b = per_model(old), per_model(new)
-        changed = sorted(m for m in b if a.get(m) != b[m])
-        if not changed:
-            return
-        fresh = specs_of((m, d, tp, s) for m in changed for d, tp, s in b[m])
-        self.started += sum(s.count for s in fresh.replicas)
-        victims = [r for m in changed for r in sim.serving(m)]
-        sim.start(fresh, then=lambda _live: sim.retire(victims))
+        allocation = specs_of((r.model, 1, r.tp, r.share) for r in fresh)
+        engines = self.sim.start(allocation, then=serving)
+        colocate(engines, [d.sim_gpus(r) for r in fresh])
+        d.engines |= {r.id: e for r, e in zip(fresh, engines, strict=True)}
 
 
 def _timeline(sim: DynamicSimulation, horizon: float) -> dict[str, list[tuple[float, float]]]:
@@ -225,34 +357,28 @@ def _run(
 ) -> dict[str, Any]:
     system, k, gpus, beam_rate, steps, duration, seed = args
     specs = workloads("combined", steps[0][1], beam_rate)
-    controller: Daemon | Hpa
+    controller: SimulatedDaemon | Hpa
+    store = Path(tempfile.mkdtemp(prefix="scepsy-daemon-"))
+    groups: tuple[GroupSpec, ...] = ()
     if system == "scepsy":
-        first = plan(k, {"beam": beam_rate, "rag": steps[0][1]}, gpus)
-        running = {
-            w: {
-                m: ModelAlloc(s.count, s.tp, s.share)
-                for m in workflow_models(w)
-                for s in first.allocation.replicas
-                if s.model == m
-            }
-            for w in ("beam", "rag")
-        }
-        controller = Daemon(k, gpus, running)
-        initial = first.allocation
+        controller = SimulatedDaemon(k, daemon_settings(gpus, store))
+        groups = controller.initial({"beam": beam_rate, "rag": steps[0][1]})
+        initial = allocation_of(groups)
     else:
         controller = Hpa(workflow_models("combined"), gpus)
         initial = controller.initial()
-    sim = DynamicSimulation(
-        initial, specs, seed, controller, COLD_START_S, record_calls=system == "scepsy"
-    )
-    for t, rate in steps[1:]:
-        sim.at(t, functools.partial(sim.set_rate, 1, rate))
     try:
+        sim = DynamicSimulation(
+            initial, specs, seed, controller, COLD_START_S, record_calls=system == "scepsy"
+        )
+        if isinstance(controller, SimulatedDaemon):
+            controller.adopt(groups, list(sim.replicas))
+        for t, rate in steps[1:]:
+            sim.at(t, functools.partial(sim.set_rate, 1, rate))
         res = run_dynamic(sim, duration, 0.0, DYNAMIC_DRAIN_S)
     finally:
-        if isinstance(controller, Daemon):
-            shutil.rmtree(controller.store, ignore_errors=True)
-    if isinstance(controller, Daemon):
+        shutil.rmtree(store, ignore_errors=True)
+    if isinstance(controller, SimulatedDaemon):
         times = list(controller.rollouts)
         started = controller.started
         log: Any = controller.decisions
@@ -281,7 +407,7 @@ def _run(
 
 def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, Any]:
     beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-    top = plan(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
+    top = allocate(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
     step_s = 480.0 if quick else 900.0
     steps = [(i * step_s, f * top) for i, f in enumerate(STEPS)]
     duration = step_s * len(STEPS)
@@ -295,7 +421,7 @@ def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, 
         "steps": steps,
         "step_s": step_s,
         "duration_s": duration,
-        "controller": "optimizer.control.decide detect/judge with default OptimizerSettings "
-        "(interval 60 s, window 120 s, 3 windows to confirm, cooldown 300 s)",
+        "controller": "optimizer.control.step.step (the daemon's pass) with default "
+        "OptimizerSettings (interval 60 s, window 120 s, 3 windows to confirm, cooldown 300 s)",
         "systems": dict(zip(("scepsy", "hpa"), runs, strict=True)),
     }

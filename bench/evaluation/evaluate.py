@@ -9,7 +9,7 @@ Workflows: beam search, RAG + reranker, and both at once (beam fixed, RAG swept)
 16 emulated A6000 GPUs (``--quick``: 4 GPUs, 5 rates, shorter runs, fewer profile calls).
 Systems (``bench.evaluation.setup.SYSTEMS``): Scepsy as shipped (trace store -> stats, profiles by
 simulation, search + placement per rate: ``bench.evaluation.scepsy``), the Kubernetes HPA run
-dynamically (``bench.evaluation.dynsim``), per-LLM independent sizing and an even split
+dynamically (``sim.hpa`` on ``sim.dynamic``), per-LLM independent sizing and an even split
 (``bench.evaluation.static``), and Scepsy without TP / fractions / both. Rates are fractions of
 Scepsy's predicted capacity on each cluster; every system runs the same rates with the same
 seeds. A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
@@ -48,12 +48,12 @@ from bench.evaluation.report import markdown, plot_curves, plot_dynamic, summari
 from bench.evaluation.runs import PointJob, run_point
 from bench.evaluation.scepsy import (
     Knowledge,
+    allocate,
     alp_view,
     capacity,
     knowledge_doc,
     knowledge_key,
     learn,
-    plan,
 )
 from bench.evaluation.setup import (
     ABLATIONS,
@@ -83,7 +83,7 @@ def _jobs(
     beam_rate = 0.0
     if kind == "combined":
         beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-        top = plan(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
+        top = allocate(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
         light = max(k.light_latency.values())
     else:
         top = capacity(k, kind, gpus)
@@ -98,7 +98,7 @@ def _jobs(
             allocation = None
             if system in ABLATIONS:
                 tp, frac = ABLATIONS[system]
-                p = plan(k, targets, gpus, system, tp, frac)
+                p = allocate(k, targets, gpus, system, tp, frac)
                 allocation = p.allocation
                 meta = {
                     "placed": p.placed,

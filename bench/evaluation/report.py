@@ -412,10 +412,10 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
     if sc.get("rollouts_unplaced"):
         lines += [
             "",
-            f"Scepsy decided {len(sc['rollouts_unplaced'])} rollout(s) (at "
-            f"{', '.join(f'{t:.0f}' for t in sc['rollouts_unplaced'])} s) whose "
-            "allocation optimizer.placement could not place after its retries "
-            "(fragmentation): they did not happen; see `log` in evaluation.json.",
+            f"Scepsy's pass could not act on a confirmed change {len(sc['rollouts_unplaced'])} "
+            f"time(s) (at {', '.join(f'{t:.0f}' for t in sc['rollouts_unplaced'])} s): the "
+            "searched allocation did not place, or no rollout order kept every model served "
+            "(an `error` decision, retried the next pass); see `log` in evaluation.json.",
         ]
     steps = sc.get("per_step", [2])
     ok = all(n <= 1 for n in steps)

@@ -3,7 +3,7 @@
 Role: the unit of work ``bench.evaluation.evaluate`` farms out to a process pool. A :class:`PointJob`
 names the system, workflow kind, cluster size, offered rates and either a static allocation
 (run with ``sim.des.simulate``) or ``None`` for the autoscaler (run with
-``bench.evaluation.dynsim``, starting from one replica per model, measured after it settled).
+``sim.dynamic`` with ``sim.hpa``, starting from one replica per model, measured after it settled).
 
 Measurement (all simulated): requests arriving in the window ``[warm-up, end of arrivals)``;
 warm-up and window are multiples of the light-load request latency (at least enough for the
@@ -21,10 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.evaluation.dynsim import DynamicSimulation, Hpa, run_dynamic
 from bench.evaluation.setup import SUSTAINED, RunLengths, workflow_models, workloads
 from sim.cluster import Allocation
 from sim.des import SimResult, simulate
+from sim.dynamic import DynamicSimulation, run_dynamic
+from sim.hpa import Hpa
 
 COLD_START_S = 90.0  # optimizer settings' cold_start_s default (calibration.md: 52-110 s)
 

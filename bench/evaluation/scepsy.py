@@ -5,15 +5,16 @@ Role: the "scepsy" system and its ablations in ``bench.evaluation.evaluate``. Pe
    ``sim.trace.write_trace`` and summarised with ``optimizer.stats.reader.summarise_store`` — exactly the
    records the proxy would have written, read the way the daemon reads them;
 2. profiles: per model, TP degree and GPU share, the profiler's sweep is done by simulation
-   (``bench.accuracy.sim_profile``: the model alone on one replica, every other model over-provisioned,
+   (``sim.profiling``: the model alone on one replica, every other model over-provisioned,
    light load up to saturation, then refined below it);
 3. per target rate: ``optimizer.search.solve.search_and_place`` with the shipped settings
    (granularity 10, headroom 10%, egalitarian welfare) and the ablation flags, and the result
    turned into the simulator's ``Allocation``.
 
 Invariants: profiles and pipelines are computed once per workflow kind and reused for every
-cluster size and rate; an allocation that does not place is reported (``Plan.placed``), never
-silently replaced; every figure is simulated.
+cluster size and rate; an allocation that does not place is reported (``SystemAllocation.placed``), never
+silently replaced; every figure is simulated. (A :class:`SystemAllocation` is what one
+system runs for some rates; the optimizer's rollout plan is ``optimizer.plan.planner.Plan``.)
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ KNOWLEDGE_SOURCES = (
     "optimizer/stats*.py",
     "optimizer/stats/modality.py",
     "optimizer/model/curves.py",
-    "bench/accuracy/sim_profile.py",
+    "bench/accuracy/cases.py",
 )
 
 
@@ -93,7 +94,10 @@ class Knowledge:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SystemAllocation:
+    """What one system runs for some target rates: the search's allocation, as the simulator
+    runs it, with whether it placed, and the ALP's predictions for it."""
+
     system: str
     allocation: Allocation  # what the simulator runs
     placed: bool  # optimizer.placement placed every replica on the cluster
@@ -310,14 +314,14 @@ def specs_of(models: Iterable[tuple[str, int, int, float]]) -> Allocation:
     )
 
 
-def plan(
+def allocate(
     k: Knowledge,
     targets: Mapping[str, float],
     gpus: int,
     system: str = "scepsy",
     allow_tp: bool = True,
     allow_fraction: bool = True,
-) -> Plan:
+) -> SystemAllocation:
     """Search and place for ``targets`` (workflow -> requests/s) on ``gpus`` GPUs."""
     placed = search_and_place(problem(k, targets, gpus, allow_tp, allow_fraction))
     result = placed.result
@@ -331,7 +335,7 @@ def plan(
         for w in result.workflows
     }
     note = "; ".join(placed.failures)
-    return Plan(
+    return SystemAllocation(
         system,
         allocation,
         placed.placement is not None,
@@ -345,7 +349,7 @@ def plan(
 def capacity(k: Knowledge, kind: str, gpus: int) -> float:
     """Scepsy's predicted peak throughput of ``kind`` alone on ``gpus`` GPUs (requests/s)."""
     high = 1e4
-    p = plan(k, {kind: high}, gpus)
+    p = allocate(k, {kind: high}, gpus)
     return float(p.predicted[kind]["throughput"])
 
 

@@ -1,27 +1,25 @@
 """The optimizer daemon: the control loop of DESIGN §3.8, with /health and /metrics.
 
-Role: every ``optimizer.interval_s``: statistics of the last window (DuckDB, in a thread) →
-change detection against the baseline (:mod:`optimizer.control.decide`) → only on a confirmed change:
-the allocation search and placement (in a thread) → plan against what the backend observes →
-decide → roll out through the backend (:func:`optimizer.rollout.backend.execute`). Every pass leaves one
-row in the decision log (:mod:`optimizer.store.decisions`) and updates the metrics
-(:mod:`optimizer.daemon.metrics`). :func:`make_app` wraps a :class:`Daemon` into an aiohttp app
-whose ``cleanup_ctx`` runs the loop; ``scepsy run`` (:mod:`optimizer.cli.run`) serves it.
+Role: every ``optimizer.interval_s`` one pass, :meth:`Daemon.tick`: **read** (statistics of the
+last window from the store, in a thread; what the backend observes; the stored profiles) →
+**step** (:func:`optimizer.control.step.step`, pure, in a thread: detect a change, and on a
+confirmed one search, place, plan and judge) → **execute** (a taken decision is rolled out
+through the backend, :func:`optimizer.rollout.backend.execute`) → **record** (one row in the
+decision log, :mod:`optimizer.store.decisions`, the metrics, :mod:`optimizer.daemon.metrics`,
+and one log line). The daemon holds no decision logic: what it decides is the step's.
+:func:`make_app` wraps a :class:`Daemon` into an aiohttp app whose ``cleanup_ctx`` runs the
+loop; ``scepsy run`` (:mod:`optimizer.cli.run`) serves it.
 
 Invariants:
-- one event loop; DuckDB reads and writes and the search run in worker threads;
+- one event loop; DuckDB reads and writes and the step (the search) run in worker threads;
 - the first pass observes the backend, which adopts engines already running: a restarted daemon
   re-plans from what runs and starts nothing twice (the executor is resumable);
 - profiles are read from the store as they are (``scepsy profile`` writes them); a model
   without a profile makes the pass an ``error`` decision naming it, and nothing is rolled out;
 - the window never reaches back before the first recorded call, so a fresh store does not read
   as a low rate; it ends ``settle_s`` early for completions (see :class:`optimizer.stats.figures.Window`);
-- no rollout leaves a served model without a replica: a plan that would is re-tried on other
-  layouts of the same allocation, else refused (``optimizer.reserve_gpus`` keeps room for
-  temporary copies); a plan that stops serving a model called in the last ``RECENT_S`` is
-  refused too (a workflow below ``min_requests`` may still use it);
-- a workflow once planned for keeps its last trusted pipeline: a model whose calls are all
-  still running (calls are recorded when they end) is not taken for a model it stopped using;
+- the step refuses a plan that leaves a served model without a replica (after re-trying other
+  layouts) or stops serving a model called in the last ``RECENT_S`` (read here each pass);
 - every pass logs one line with its decision's kind, outcome and reasons (INFO; WARNING for an
   error or a failed rollout);
 - a failed pass or rollout is logged and recorded; the loop keeps going. Cancelling the loop
@@ -47,42 +45,21 @@ from dataclasses import asdict, dataclass, field, replace
 import orjson
 from aiohttp import web
 
-from optimizer.control.decide import (
-    Decision,
-    Detection,
-    DetectorState,
-    after_rollout,
-    detect,
-    failed,
-    judge,
-    keep_running,
-    snapshot_from_stats,
-)
-from optimizer.control.proposal import (
-    Running,
-    allocation_doc,
-    cluster_variants,
-    cluster_without,
-    make_proposal,
-    pipelines,
-    predict_running,
-    remembered,
-    running_allocation,
-    running_doc,
-    search_problem,
-)
+from optimizer.control.decide import Decision, DetectorState, Proposal
+from optimizer.control.proposal import Running, allocation_doc, cluster_without, running_doc
+from optimizer.control.step import RECENT_S, ControlState, StepInput, StepOutput, step
 from optimizer.daemon.metrics import DaemonMetrics
-from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
-from optimizer.placement import Placement, PlacementError, place
-from optimizer.plan.planner import Observed, Plan, make_plan, target_from_placement
+from optimizer.placement import Placement
+from optimizer.plan.planner import Observed, Plan
 from optimizer.rollout.backend import Backend, execute
-from optimizer.search.solve import SearchResult, replica_demands, search_and_place
+from optimizer.search.solve import SearchResult
 from optimizer.stats.figures import Window, WorkflowStats
 from optimizer.stats.reader import summarise_store
 from optimizer.store.decisions import DecisionRow, save_decision_async
 from optimizer.store.profiles import db_path, load_points_async
 from shared.cluster import cluster_from_settings
+from shared.optimizer_settings import OptimizerSettings
 from shared.settings import Settings
 from shared.store import StoreReader, unreadable_segments
 
@@ -90,11 +67,6 @@ __all__ = ["DAEMON", "Daemon", "TickReport", "make_app"]
 
 log = logging.getLogger(__name__)
 US = 1_000_000
-RECENT_S = 120.0  # a model called this recently is still in use, whatever the window says
-
-
-class PlanningError(RuntimeError):
-    """The search or placement found nothing to roll out (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +84,7 @@ class TickReport:
     outcome: str | None = None
     search_s: float | None = None
     rollout_s: float | None = None
+    proposal: Proposal | None = None
 
 
 def first_call_us(store: str) -> int | None:
@@ -134,6 +107,31 @@ def recent_models(store: str, since_us: int) -> set[str]:
     return {str(r[0]) for r in rows if r[0] is not None}
 
 
+def window_stats(
+    store: str, now: float, cfg: OptimizerSettings, data_start_us: int | None
+) -> tuple[dict[str, WorkflowStats], float]:
+    """Statistics of the ``window_s`` ending at ``now`` (never before the first recorded call,
+    ``data_start_us``; ``settle_s`` early for completions) and the window's length (s)."""
+    now_us = round(now * US)
+    lo = now_us - round(cfg.window_s * US)
+    if data_start_us is not None:
+        lo = max(lo, data_start_us)
+    span_s = (now_us - lo) / US
+    if data_start_us is None or span_s <= cfg.settle_s:
+        return {}, span_s
+    window = Window(lo, now_us, round(cfg.settle_s * US))
+    return summarise_store(store, window), span_s - cfg.settle_s
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What a pass read: the window's statistics and length, the models called lately."""
+
+    stats: dict[str, WorkflowStats]
+    window_s: float
+    recent_models: frozenset[str]
+
+
 @dataclass
 class Daemon:
     """The loop's state and one pass of it (:meth:`tick`); :meth:`run` repeats it."""
@@ -143,7 +141,7 @@ class Daemon:
     clock: Callable[[], float] = time.time  # wall seconds (call records are epoch µs)
     metrics: DaemonMetrics = field(default_factory=DaemonMetrics)
     on_tick: Callable[[TickReport], None] | None = None
-    state: DetectorState = field(default_factory=DetectorState)
+    control: ControlState = field(default_factory=ControlState)  # what the step remembers
     ticks: int = 0
     errors: int = 0
     last: TickReport | None = None
@@ -153,69 +151,55 @@ class Daemon:
     started: float | None = None  # monotonic, when run() began
     _data_start_us: int | None = None
     _book_cache: tuple[int | None, ProfileBook] | None = None
-    _known: dict[str, Pipeline] = field(default_factory=dict)  # last trusted pipelines
-    _placed: Placement | None = None  # the layout the last plan was made for
 
     def __post_init__(self) -> None:
         self.cfg = self.settings.optimizer
         self.store = self.settings.store.path
+        # the step derives both from the settings each pass; built here, a bad cluster
+        # section or reserve_gpus fails the daemon's start instead of every pass
         self.cluster = cluster_from_settings(self.settings.cluster)
         self.search_cluster = cluster_without(self.cluster, self.cfg.reserve_gpus)
 
-    # --- one pass --------------------------------------------------------------------------
-    def _read(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
-        """Statistics of the window ending at ``now``, and the window's length (s)."""
-        try:
-            return self._read_window(now)
-        finally:  # what the readers skipped, this pass (a bad segment never fails a pass)
-            self.metrics.unreadable_segments.set(len(unreadable_segments(self.store)))
+    @property
+    def state(self) -> DetectorState:
+        """The change detector's state (baseline, streaks, last rollout)."""
+        return self.control.detector
 
-    def _read_window(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
-        if self._data_start_us is None:
-            self._data_start_us = first_call_us(self.store)
-        now_us = round(now * US)
-        lo = now_us - round(self.cfg.window_s * US)
-        if self._data_start_us is not None:
-            lo = max(lo, self._data_start_us)
-        span_s = (now_us - lo) / US
-        if self._data_start_us is None or span_s <= self.cfg.settle_s:
-            return {}, span_s
-        window = Window(lo, now_us, round(self.cfg.settle_s * US))
-        return summarise_store(self.store, window), span_s - self.cfg.settle_s
-
+    # --- one pass: read → step → execute → record ------------------------------------------
     async def tick(self) -> TickReport:
         now = self.clock()
-        stats, span = await asyncio.to_thread(self._read, now)
-        self.metrics.observe_stats(stats)
+        read = await asyncio.to_thread(self._read, now)
+        self.metrics.observe_stats(read.stats)
         observed = await self.backend.observe()
         self._observe_allocation(observed)
-        pipes = {
-            w: remembered(p, self._known.get(w)) for w, p in pipelines(self._planned(stats)).items()
-        }
-        self._known |= {
-            w: p for w, p in pipes.items() if stats[w].requests >= self.cfg.min_requests
-        }
-        rates = {w: s.arrival_rate for w, s in stats.items()}
-        # A planned workflow without a completed request in this window (its requests all
-        # still running) keeps its pipeline; its rate is the arrivals the store saw (open rows
-        # count), or the baseline's when it saw none, until the detector confirms it is gone.
-        base = self.state.baseline
-        for w, known in self._known.items():
-            if w not in pipes and base is not None and w in base.workflows:
-                arrived = stats[w].arrival_rate if w in stats and stats[w].arrivals else 0.0
-                pipes[w], rates[w] = known, arrived or base.workflows[w].rate
         book = await self._book()
-        running = running_allocation(observed, pipes, rates)
-        predicted_now = predict_running(pipes, book, running, rates)
-        self.metrics.observe_predicted(predicted_now)
-        det = detect(self.state, snapshot_from_stats(now, span, stats), self.cfg, predicted_now)
-        # The decision is filled in below; the rest is what this pass saw.
-        seen = TickReport(Decision(now, "steady", ()), stats, span, running, predicted_now)
-        if det.act:
-            report = await self._replan(seen, det, observed, pipes, rates, book)
-        else:
-            decision, self.state = judge(self.state, det, None, self.cfg)
-            report = replace(seen, decision=decision)
+        inp = StepInput(
+            self.control,
+            read.stats,
+            read.window_s,
+            observed,
+            book,
+            self.settings,
+            now,
+            read.recent_models,
+        )
+        out = await asyncio.to_thread(step, inp)
+        self.metrics.observe_predicted(out.predicted_now)
+        if out.searched_s is not None:
+            self.metrics.search_time.observe(out.searched_s)
+        report = TickReport(
+            out.decision,
+            read.stats,
+            read.window_s,
+            out.running,
+            dict(out.predicted_now),
+            out.result,
+            out.placement,
+            out.plan,
+            search_s=out.search_s,
+            proposal=out.proposal,
+        )
+        report = await self._execute(out, report)
         await self._record(report)
         _log_decision(report)
         self.ticks += 1
@@ -225,85 +209,33 @@ class Daemon:
             self.on_tick(report)
         return report
 
-    async def _replan(
-        self,
-        report: TickReport,
-        det: Detection,
-        observed: Observed,
-        pipes: Mapping[str, Pipeline],
-        rates: Mapping[str, float],
-        book: ProfileBook,
-    ) -> TickReport:
-        """Search, place and plan for the window's traffic; judge; roll out if decided."""
-        t0 = time.perf_counter()
-        if not pipes:
-            decision, self.state = keep_running(
-                self.state,
-                det,
-                "no workflow has enough traffic to plan for: what runs stays",
-                self.cfg,
-            )
-            return replace(report, decision=decision)
+    def _read(self, now: float) -> _Read:
+        """Statistics of the window ending at ``now``, the window's length (s), and the models
+        called in the last ``RECENT_S`` seconds."""
         try:
-            unknown = sorted(
-                {st.model for p in pipes.values() for st in p.stages}
-                - set(self.settings.rollout.revisions())
-            )
-            if unknown:
-                raise PlanningError(
-                    f"model(s) {', '.join(unknown)} not in rollout.models: "
-                    "the daemon cannot start them"
-                )
-            missing = sorted(
-                {st.model for p in pipes.values() for st in p.stages}
-                - {k.model for k in book.profiles}
-            )
-            if missing:
-                raise PlanningError(
-                    f"no profile for model(s) {', '.join(missing)}: run "
-                    "`scepsy profile` (profiles are read from the store)"
-                )
-            problem = search_problem(self.settings, pipes, rates, book, self.search_cluster)
-            placed = await asyncio.to_thread(search_and_place, problem)
-            search_s = time.perf_counter() - t0
-            self.metrics.search_time.observe(search_s)
-            if placed.placement is None:
-                raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
-            plan = self._safe_plan(observed, placed.result, placed.placement)
-            called = await asyncio.to_thread(
-                recent_models, self.store, round((det.t - RECENT_S) * US)
-            )
-            orphaned = sorted(
-                set(plan.dropped)
-                & (called | {m for ws in report.stats.values() for m in ws.models})
-            )
-            if orphaned:  # a workflow below min_requests still calls them: wait for it
-                raise PlanningError(
-                    f"the plan would stop serving {', '.join(orphaned)}, which still get calls "
-                    "from a workflow without enough requests to plan for yet"
-                )
-            proposal = make_proposal(placed.result, plan, report.predicted_now, rates)
-        except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
-            decision, self.state = failed(self.state, det, f"{type(exc).__name__}: {exc}")
-            return replace(report, decision=decision, search_s=time.perf_counter() - t0)
-        decision, decided = judge(self.state, det, proposal, self.cfg)
-        report = replace(
-            report,
-            decision=decision,
-            result=placed.result,
-            placement=self._placed or placed.placement,
-            plan=plan,
-            search_s=search_s,
-        )
-        if not decision.taken:
-            self.state = decided
+            stats, span = self._read_window(now)
+            recent = recent_models(self.store, round((now - RECENT_S) * US))
+            return _Read(stats, span, frozenset(recent))
+        finally:  # what the readers skipped, this pass (a bad segment never fails a pass)
+            self.metrics.unreadable_segments.set(len(unreadable_segments(self.store)))
+
+    def _read_window(self, now: float) -> tuple[dict[str, WorkflowStats], float]:
+        if self._data_start_us is None:
+            self._data_start_us = first_call_us(self.store)
+        return window_stats(self.store, now, self.cfg, self._data_start_us)
+
+    async def _execute(self, out: StepOutput, report: TickReport) -> TickReport:
+        """Roll a taken decision out (unless ``optimizer.apply`` is false) and carry the
+        state on: the step's, or after a rollout the one its outcome settles."""
+        if not out.decision.taken or out.plan is None:
+            self.control = out.state
             return report
         if not self.cfg.apply:
-            self.state = after_rollout(decided, self.state, self.clock(), ok=True)
+            self.control = out.after_rollout(self.clock(), ok=True)
             return replace(report, outcome="not applied (optimizer.apply is false)")
         t1 = time.monotonic()
         try:
-            await execute(plan, self.backend)
+            await execute(out.plan, self.backend)
             outcome, ok = "ok", True
         except Exception as exc:  # a failed rollout is recorded; the loop goes on
             log.warning("rollout failed: %s", exc)
@@ -312,46 +244,8 @@ class Daemon:
         self._observe_allocation(await self.backend.observe())
         self.metrics.rollouts.labels("ok" if ok else "failed").inc()
         self.metrics.rollout_time.observe(rollout_s)
-        self.state = after_rollout(decided, self.state, self.clock(), ok)
+        self.control = out.after_rollout(self.clock(), ok)
         return replace(report, outcome=outcome, rollout_s=rollout_s)
-
-    def _safe_plan(self, observed: Observed, result: SearchResult, placement: Placement) -> Plan:
-        """The plan to ``placement``, or to another layout of the same allocation whose plan
-        leaves no served model without a replica; :class:`PlanningError` if none does."""
-        revisions = self.settings.rollout.revisions()
-        plan = make_plan(observed, target_from_placement(placement, revisions), self.cluster)
-        self._placed = placement
-        if plan.safe:
-            return plan
-        floors = {m.name: m.min_memory_bytes for m in self.settings.rollout.models}
-        demands = replica_demands(result, floors)
-        for variant in cluster_variants(self.search_cluster)[1:]:
-            try:
-                other = place(variant, demands)
-            except PlacementError:
-                continue
-            alt = make_plan(observed, target_from_placement(other, revisions), self.cluster)
-            if alt.safe:
-                self._placed = other
-                return alt
-        raise PlanningError(
-            f"no rollout order keeps every model served ({', '.join(plan.outages)} would be "
-            "without a replica for a while); optimizer.reserve_gpus leaves room for "
-            "temporary copies"
-        )
-
-    def _planned(self, stats: Mapping[str, WorkflowStats]) -> dict[str, WorkflowStats]:
-        """The workflows to plan for: those with enough completed requests in the window, and
-        those that had enough when last judged and still have some. A trickle (an index
-        build) is not traffic to plan for; a real workflow dipping below the bar keeps its
-        replicas. (A new workflow is planned for once it has enough requests.)"""
-        base = self.state.baseline
-        before = set() if base is None else set(base.trusted(self.cfg.min_requests))
-        return {
-            w: s
-            for w, s in stats.items()
-            if s.requests >= self.cfg.min_requests or (w in before and s.requests > 0)
-        }
 
     async def _book(self) -> ProfileBook:
         """The stored profiles, re-read only when the database file changed."""
