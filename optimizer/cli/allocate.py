@@ -37,13 +37,14 @@ from rich.console import Console
 from rich.table import Table
 
 from optimizer.cli.main import UsageError, existing_store
-from optimizer.model.alp import Pipeline, predict
+from optimizer.model import alp
+from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
-from optimizer.search.scenario import load_scenario, problem
-from optimizer.search.solve import SearchResult, WorkflowAllocation, search, search_and_place
+from optimizer.search import scenario, solve
+from optimizer.search.solve import SearchResult, WorkflowAllocation
 from optimizer.search.space import SearchError, SearchProblem, WorkflowTarget
-from optimizer.store.profiles import load_points
+from optimizer.store import profiles
 from shared.cluster import GB, ClusterError, cluster_from_settings
 from shared.optimizer_settings import MAX_GRANULARITY
 from shared.profile_points import ProfileError
@@ -96,7 +97,7 @@ def _from_store(args: argparse.Namespace) -> SearchProblem:
     existing_store(args.store)
     try:
         stats = summarise_store(args.store)
-        points = load_points(args.store)
+        points = profiles.load_points(args.store)
     except duckdb.Error as exc:
         raise UsageError(f"cannot read the store at {args.store}: {exc}") from exc
     workflows = [
@@ -124,7 +125,7 @@ def build_problem(args: argparse.Namespace) -> SearchProblem:
     """The search problem the command line describes (overrides applied)."""
     try:
         if args.scenario is not None:
-            prob = problem(*load_scenario(args.scenario))
+            prob = scenario.problem(*scenario.load_scenario(args.scenario))
         else:
             prob = _from_store(args)
         rates = _rates(args.rate)
@@ -282,7 +283,7 @@ def plot(path: Path, prob: SearchProblem, result: SearchResult) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    whole = search(replace(prob, allow_fraction=False))
+    whole = solve.search(replace(prob, allow_fraction=False))
     fig, axes = plt.subplots(
         1, len(result.workflows), squeeze=False, figsize=(5.5 * len(result.workflows), 4)
     )
@@ -295,7 +296,7 @@ def plot(path: Path, prob: SearchProblem, result: SearchResult) -> None:
                 continue
             rates = np.linspace(0.02, 0.98, 60) * chosen.throughput
             lat = [
-                predict(
+                alp.predict(
                     target.pipeline,
                     prob.book,
                     chosen.allocation,
@@ -319,7 +320,7 @@ def plot(path: Path, prob: SearchProblem, result: SearchResult) -> None:
 def run(args: argparse.Namespace) -> int:
     prob = build_problem(args)
     try:
-        placed = search_and_place(prob)
+        placed = solve.search_and_place(prob)
     except (SearchError, ProfileError) as exc:
         raise UsageError(str(exc)) from exc
     result, placement, attempts, errors = (

@@ -40,19 +40,11 @@ from rich.table import Table
 
 from optimizer.cli.main import UsageError, existing_store
 from optimizer.model.curves import Profile
-from optimizer.profiling.profiler import (
-    PointResult,
-    ProfileRunError,
-    Replayer,
-    SweepResult,
-    capacity_estimate,
-    engine_metrics,
-    probe_ends,
-    sweep,
-)
-from optimizer.profiling.replay import ReplayError, Workload, load_workload
-from optimizer.profiling.window import QUICK, SweepSettings, Target, clock_lag
-from optimizer.store.profiles import save_points
+from optimizer.profiling import profiler, replay, window
+from optimizer.profiling.profiler import PointResult, ProfileRunError, Replayer, SweepResult
+from optimizer.profiling.replay import ReplayError, Workload
+from optimizer.profiling.window import QUICK, SweepSettings, Target
+from optimizer.store import profiles
 from shared.ports import free_port
 from shared.profile_points import ProfileError, ProfilePoint, export_json, import_json
 
@@ -144,7 +136,7 @@ async def _wait_healthy(
 
 async def _reported_speedup(url: str, asked: float) -> float:
     async with aiohttp.ClientSession() as session:
-        return (await engine_metrics(session, url)).get("scepsy_emulator_speedup", asked)
+        return (await profiler.engine_metrics(session, url)).get("scepsy_emulator_speedup", asked)
 
 
 @dataclass(frozen=True)
@@ -287,23 +279,23 @@ async def calibrate(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         rep = Replayer(s, target, workload, settings.call_timeout_s)
         loop = asyncio.get_running_loop()
-        before = await engine_metrics(s, target.url)
+        before = await profiler.engine_metrics(s, target.url)
         t0, cpu0, ecpu0 = loop.time(), time.process_time(), source.cpu_seconds(target)
-        ends, stop = await probe_ends(rep, settings)
+        ends, stop = await profiler.probe_ends(rep, settings)
         n = max(1, rep.sent)  # most of a call's cost falls when it is sent (parse, plan)
         wall = loop.time() - t0
         cpu, ecpu1 = time.process_time() - cpu0, source.cpu_seconds(target)
-        after = await engine_metrics(s, target.url)
+        after = await profiler.engine_metrics(s, target.url)
     util = 1.0
     if busy in before and busy in after:
         util = min(1.0, max(0.02, (after[busy] - before[busy]) / (wall * target.speedup)))
     return Calibration(
         target.speedup,
-        capacity_estimate(ends, stop, settings, target.speedup),
+        profiler.capacity_estimate(ends, stop, settings, target.speedup),
         util,
         cpu / n,
         None if ecpu0 is None or ecpu1 is None else (ecpu1 - ecpu0) / n,
-        clock_lag(before, after, wall),
+        window.clock_lag(before, after, wall),
     )
 
 
@@ -487,7 +479,7 @@ async def _measure(
                     )
                 )
             tag = f"{workload.model} tp={tp} share={share:g} ({label}, speedup {target.speedup:g})"
-            result: SweepResult = await sweep(
+            result: SweepResult = await profiler.sweep(
                 target, workload, settings, RichProgress(console, tag), estimate
             )
         client_bound = [r.nominal_rate for r in result.points if r.client_bound]
@@ -506,7 +498,7 @@ async def _measure(
                 "--speedup"
             )
         mine = [r.point for r in result.points]
-        save_points(args.store, mine)
+        profiles.save_points(args.store, mine)
         points.extend(mine)
     return points
 
@@ -524,12 +516,12 @@ def run(args: argparse.Namespace) -> int:
             points = [p for p in points if p.model == args.model]
             if not points:
                 raise UsageError(f"{args.from_json} holds no points of model {args.model!r}")
-            save_points(args.store, points)
+            profiles.save_points(args.store, points)
             title = f"profile of {args.model} (imported from {args.from_json})"
         else:
             existing_store(args.store)  # replaying reads it; an import may start one
             try:
-                workload = load_workload(args.store, args.model)
+                workload = replay.load_workload(args.store, args.model)
             except ReplayError as exc:
                 raise UsageError(str(exc)) from exc
             except duckdb.Error as exc:

@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 from optimizer.placement import Placement, PlacementError, ReplicaDemand, place
-from optimizer.plan.planner import GroupSpec, target_from_placement
-from optimizer.rollout.kube.render import render_target
+from optimizer.plan import planner
+from optimizer.plan.planner import GroupSpec
+from optimizer.rollout.kube import render
 from shared.cluster import GB, Cluster, ClusterError, cluster_from_settings
 from shared.rollout_settings import AllocationEntry, RolloutSettings
 from shared.settings import load_settings
@@ -60,7 +61,7 @@ def target_for(
         where = f"scenario {scenario!r}" if scenario else "rollout.allocation"
         raise SettingsError(where, "is empty: nothing to place")
     placement = place(cluster, demands(rollout, allocation))
-    return placement, target_from_placement(placement, rollout.revisions())
+    return placement, planner.target_from_placement(placement, rollout.revisions())
 
 
 def _table(target: tuple[GroupSpec, ...]) -> Table:
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         rollout = settings.rollout
         cluster = cluster_from_settings(settings.cluster)
         _, target = target_for(cluster, rollout, args.scenario)
-        objects = render_target(target, rollout, cluster)
+        objects = render.render_target(target, rollout, cluster)
     except (SettingsError, ClusterError, PlacementError) as exc:
         print(f"scepsy render: {exc}", file=sys.stderr)
         return 2

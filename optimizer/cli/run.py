@@ -22,7 +22,8 @@ import orjson
 from aiohttp import web
 
 from optimizer.cli.main import UsageError
-from optimizer.daemon.service import Daemon, make_app
+from optimizer.daemon import service
+from optimizer.daemon.service import Daemon
 from optimizer.rollout.backend import Backend
 from shared.cluster import ClusterError, cluster_from_settings
 from shared.settings import Settings, SettingsError, load_settings, parse_host_port
@@ -71,7 +72,7 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     host, port = parse_host_port(listen, "--listen")
-    runner = web.AppRunner(make_app(Daemon(settings, backend)), handle_signals=False)
+    runner = web.AppRunner(service.make_app(Daemon(settings, backend)), handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

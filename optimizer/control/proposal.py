@@ -23,7 +23,8 @@ from dataclasses import replace
 from typing import Any
 
 from optimizer.control.decide import Outlook, Proposal
-from optimizer.model.alp import ModelAlloc, Pipeline, predict
+from optimizer.model import alp
+from optimizer.model.alp import ModelAlloc, Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
 from optimizer.plan.planner import Observed, Plan
@@ -129,7 +130,7 @@ def predict_running(
             out[w] = math.inf
             continue
         try:
-            out[w] = predict(pipe, book, alloc, rates.get(w, 0.0)).latency
+            out[w] = alp.predict(pipe, book, alloc, rates.get(w, 0.0)).latency
         except ProfileError:
             continue
     return out

@@ -67,8 +67,10 @@ from optimizer.control.proposal import (
 from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement, PlacementError, place
-from optimizer.plan.planner import Observed, Plan, make_plan, target_from_placement
-from optimizer.search.solve import SearchResult, replica_demands, search_and_place
+from optimizer.plan import planner
+from optimizer.plan.planner import Observed, Plan
+from optimizer.search import solve
+from optimizer.search.solve import SearchResult
 from optimizer.stats.figures import WorkflowStats
 from shared.cluster import Cluster, cluster_from_settings
 from shared.settings import Settings
@@ -240,7 +242,7 @@ def _replan(
                 "`scepsy profile` (profiles are read from the store)"
             )
         problem = search_problem(settings, pipes, rates, inp.book, search_cluster)
-        placed = search_and_place(problem)
+        placed = solve.search_and_place(problem)
         searched_s = timer() - t0
         if placed.placement is None:
             raise PlanningError("no placement fits: " + (placed.failures or ("?",))[-1])
@@ -290,17 +292,17 @@ def safe_plan(
     ``search_cluster``'s GPUs listed in other orders) whose plan leaves no served model without
     a replica, with the layout it goes to; :class:`PlanningError` if none does."""
     revisions = settings.rollout.revisions()
-    plan = make_plan(observed, target_from_placement(placement, revisions), cluster)
+    plan = planner.make_plan(observed, planner.target_from_placement(placement, revisions), cluster)
     if plan.safe:
         return plan, placement
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
-    demands = replica_demands(result, floors)
+    demands = solve.replica_demands(result, floors)
     for variant in cluster_variants(search_cluster)[1:]:
         try:
             other = place(variant, demands)
         except PlacementError:
             continue
-        alt = make_plan(observed, target_from_placement(other, revisions), cluster)
+        alt = planner.make_plan(observed, planner.target_from_placement(other, revisions), cluster)
         if alt.safe:
             return alt, other
     raise PlanningError(

@@ -45,9 +45,10 @@ from dataclasses import asdict, dataclass, field, replace
 import orjson
 from aiohttp import web
 
+from optimizer.control import step
 from optimizer.control.decide import Decision, DetectorState, Proposal
 from optimizer.control.proposal import Running, allocation_doc, cluster_without, running_doc
-from optimizer.control.step import RECENT_S, ControlState, StepInput, StepOutput, step
+from optimizer.control.step import RECENT_S, ControlState, StepInput, StepOutput
 from optimizer.daemon.metrics import DaemonMetrics
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
@@ -56,8 +57,8 @@ from optimizer.rollout.backend import Backend, execute
 from optimizer.search.solve import SearchResult
 from optimizer.stats.figures import Window, WorkflowStats
 from optimizer.stats.reader import summarise_store
-from optimizer.store.decisions import DecisionRow, save_decision_async
-from optimizer.store.profiles import db_path, load_points_async
+from optimizer.store import decisions, profiles
+from optimizer.store.decisions import DecisionRow
 from shared.cluster import cluster_from_settings
 from shared.optimizer_settings import OptimizerSettings
 from shared.settings import Settings
@@ -183,7 +184,7 @@ class Daemon:
             now,
             read.recent_models,
         )
-        out = await asyncio.to_thread(step, inp)
+        out = await asyncio.to_thread(step.step, inp)
         self.metrics.observe_predicted(out.predicted_now)
         if out.searched_s is not None:
             self.metrics.search_time.observe(out.searched_s)
@@ -250,11 +251,11 @@ class Daemon:
     async def _book(self) -> ProfileBook:
         """The stored profiles, re-read only when the database file changed."""
         try:
-            stamp = os.stat(db_path(self.store)).st_mtime_ns
+            stamp = os.stat(profiles.db_path(self.store)).st_mtime_ns
         except FileNotFoundError:
             stamp = None
         if self._book_cache is None or self._book_cache[0] != stamp:
-            points = await load_points_async(self.store) if stamp is not None else []
+            points = await profiles.load_points_async(self.store) if stamp is not None else []
             self._book_cache = (stamp, ProfileBook(points))
         return self._book_cache[1]
 
@@ -304,7 +305,7 @@ class Daemon:
             ),
             plan=tuple(report.plan.render().splitlines()) if report.plan is not None else (),
         )
-        await save_decision_async(self.store, row)
+        await decisions.save_decision_async(self.store, row)
 
     # --- the loop --------------------------------------------------------------------------
     async def run(self) -> None:

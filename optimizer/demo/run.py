@@ -48,13 +48,13 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 
-from optimizer.control.proposal import cluster_without
+from optimizer.control import proposal
 from optimizer.daemon.service import Daemon, TickReport
 from optimizer.demo.report import Pass, report_doc, write_report
 from optimizer.demo.view import render
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import ReplicaDemand, place
-from optimizer.plan.planner import target_from_placement
+from optimizer.plan import planner
 from optimizer.rollout.backend import converge
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.store.decisions import load_decisions
@@ -309,14 +309,14 @@ async def _wait_proc(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
 
 async def _bootstrap(settings: Settings, backend: LocalBackend) -> None:
     cluster = cluster_from_settings(settings.cluster)
-    usable = cluster_without(cluster, settings.optimizer.reserve_gpus)
+    usable = proposal.cluster_without(cluster, settings.optimizer.reserve_gpus)
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
     demands = [
         ReplicaDemand(e.workflow, e.model, e.tp, e.share, None, floors[e.model])
         for e in settings.rollout.allocation
         for _ in range(e.replicas)
     ]
-    target = target_from_placement(place(usable, demands), settings.rollout.revisions())
+    target = planner.target_from_placement(place(usable, demands), settings.rollout.revisions())
     await converge(backend, target, cluster=cluster)
 
 

@@ -25,15 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from optimizer.plan.planner import (
-    GroupSpec,
-    Observed,
-    Plan,
-    Route,
-    RunningReplica,
-    Step,
-    make_plan,
-)
+from optimizer.plan import planner
+from optimizer.plan.planner import GroupSpec, Observed, Plan, Route, RunningReplica, Step
 from shared.cluster import Cluster
 
 __all__ = [
@@ -178,5 +171,5 @@ async def converge(
     """Observe, plan towards ``target``, execute; returns the plan and what each step did.
 
     ``cluster`` lets the plan use spare GPUs for temporary replicas (see ``make_plan``)."""
-    plan = make_plan(await backend.observe(), target, cluster)
+    plan = planner.make_plan(await backend.observe(), target, cluster)
     return plan, await execute(plan, backend, allow_outage=allow_outage, on_step=on_step)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optimizer.model.alp import ModelAlloc, predict_many
+from optimizer.model import alp
+from optimizer.model.alp import ModelAlloc
 from optimizer.search.space import (
     FEASIBLE_RTOL,
     FloatArray,
@@ -146,7 +147,7 @@ def solve(
         return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
 
     def run(rate: float) -> tuple[np.ndarray, np.ndarray]:
-        pred = predict_many(
+        pred = alp.predict_many(
             pipe, problem.book, rate, reps, tp, share, stat=problem.stat, pooling=problem.pooling
         )
         return pred.latency, pred.throughput

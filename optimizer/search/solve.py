@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
+from optimizer.model import alp
+from optimizer.model.alp import ModelAlloc, Pipeline, Stage
 from optimizer.placement import (
     PlacedReplica,
     Placement,
@@ -215,7 +216,7 @@ def _tables(
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     single = Pipeline(workflow, (c.stage,))
-    pred = predict_many(
+    pred = alp.predict_many(
         single,
         problem.book,
         rate,
@@ -340,7 +341,7 @@ class _Workflow:
             )
             pos += u
         allocation = {m: a for m, (a, _, _) in picks.items()}
-        pred = predict(pipe, p.book, allocation, rate, stat=p.stat, pooling=p.pooling)
+        pred = alp.predict(pipe, p.book, allocation, rate, stat=p.stat, pooling=p.pooling)
         g = p.granularity
         models = tuple(
             ModelChoice(
