@@ -3,6 +3,7 @@
 Role: ``GET /admin/routes`` shows every replica with its state; ``PUT /admin/routes`` with
 ``{"upstreams": [{"model", "url", "api_key"?}, ...]}`` (the settings file's shape) installs a
 new table atomically. Replicas no longer listed drain: no new calls, in-flight ones finish.
+Both are in :data:`routes`; their errors are raised and answered by ``proxy.boundary``.
 
 Invariants: with no ``admin_token`` in settings the API answers 404 (it does not exist); a wrong
 or missing token is 401; a bad table is a 400 naming the key path, and changes nothing; the
@@ -19,12 +20,13 @@ from collections import Counter
 import orjson
 from aiohttp import web
 
-from proxy.app import ROUTER, SETTINGS
-from proxy.errors import BadRequest, ProxyError, RouteNotFound, Unauthorized
+from proxy.errors import BadRequest, RouteNotFound, Unauthorized
+from proxy.keys import ROUTER, SETTINGS
 from shared.settings import ProxySettings, UpstreamSettings
 from shared.settings_schema import SettingsError, decode
 
 log = logging.getLogger("scepsy.proxy.admin")
+routes = web.RouteTableDef()
 
 
 def _authorise(request: web.Request) -> None:
@@ -43,11 +45,9 @@ def _respond(request: web.Request) -> web.Response:
     )
 
 
+@routes.get("/admin/routes")
 async def get_routes(request: web.Request) -> web.Response:
-    try:
-        _authorise(request)
-    except ProxyError as exc:
-        return exc.response()
+    _authorise(request)
     return _respond(request)
 
 
@@ -62,16 +62,14 @@ def parse_routes(data: object) -> tuple[UpstreamSettings, ...]:
     return proxy.upstreams
 
 
+@routes.put("/admin/routes")
 async def put_routes(request: web.Request) -> web.Response:
+    _authorise(request)
     try:
-        _authorise(request)
-        try:
-            data = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"Body is not valid JSON: {exc.msg}.") from exc
-        upstreams = parse_routes(data)
-    except ProxyError as exc:
-        return exc.response()
+        data = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"Body is not valid JSON: {exc.msg}.") from exc
+    upstreams = parse_routes(data)
     router = request.app[ROUTER]
     before = Counter(r.model for r in router.replicas() if not r.draining)
     old = {(r.model, r.url) for r in router.replicas() if not r.draining}
@@ -98,8 +96,3 @@ async def put_routes(request: web.Request) -> web.Response:
         },
     )
     return _respond(request)
-
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/routes", get_routes)
-    app.router.add_put("/admin/routes", put_routes)

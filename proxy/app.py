@@ -1,21 +1,17 @@
-"""The proxy's aiohttp application: app factory, state keys, background tasks, read-only routes.
+"""The proxy's aiohttp application: assembled from settings, resources and route tables.
 
-Role: wires settings, router, recorder, metrics and the upstream HTTP session into one
-``web.Application`` (``make_app``). The forwarding handler lives in ``proxy.forward``, the
-admin API in ``proxy.admin``.
+Role: :func:`make_app` wires settings, router, recorder, metrics and the upstream HTTP clients
+into one ``web.Application`` and adds the handler modules' route tables (``proxy.health``,
+``proxy.models``, ``proxy.admin``, ``proxy.forward``); :func:`make_runner` serves it through
+the error boundary's runner (``proxy.boundary``). Handlers live in those modules, the state
+keys in ``proxy.keys``: this module only assembles.
 
 Invariants:
 - all state hangs off ``web.AppKey``s; background work (recorder, health prober, the client
-  session) is started and stopped by ``cleanup_ctx``, in an order that lets shutdown drain
+  sessions) is started and stopped by ``cleanup_ctx``, in an order that lets shutdown drain
   in-flight calls first and flush their records last;
+- every error a client gets passes ``proxy.boundary`` (its middleware wraps every route);
 - the proxy never waits for the control plane: it serves with the routes it was last given.
-
-Health: ``/health/live`` answers 200 whenever the event loop does (a liveness probe);
-``/health/ready`` answers 200 only when the route table has an upstream and the trace store
-takes writes (the recorder's last write did not fail recently, and the segment folder takes a
-file now), else 503 with ``reasons``. ``/health`` is kept as it was (always 200, with models
-and routes version) for existing probes and scripts; new deployments should probe the two
-above.
 """
 
 from __future__ import annotations
@@ -26,11 +22,11 @@ import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
-import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy import admin, forward, health, models
 from proxy.boundary import ProxyRunner, error_middleware
+from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SESSION, SETTINGS, UPSTREAM
 from proxy.metrics import AccessLoggingMetrics, ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Replica, Router
@@ -39,19 +35,6 @@ from proxy.upstream import UpstreamClient, tls_context
 from shared.settings import Settings
 
 log = logging.getLogger("scepsy.proxy")
-
-SETTINGS = web.AppKey("settings", Settings)
-ROUTER = web.AppKey("router", Router)
-ROUTES = web.AppKey("routes", Routes)  # the allow-list of engine routes
-RECORDER = web.AppKey("recorder", Recorder)
-METRICS = web.AppKey("metrics", ProxyMetrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)  # health probes and /v1/models
-UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the engine calls: the hot path
-PROXY_ID = web.AppKey("proxy_id", str)
-
-
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -116,88 +99,6 @@ async def _prober_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def health(request: web.Request) -> web.Response:
-    router = request.app[ROUTER]
-    return _json(
-        {
-            "status": "ok",
-            "proxy_id": request.app[PROXY_ID],
-            "models": router.models(),
-            "routes_version": router.version,
-        }
-    )
-
-
-async def health_live(request: web.Request) -> web.Response:
-    """The event loop answers: the process is alive (never depends on upstreams or store)."""
-    return _json({"status": "live", "proxy_id": request.app[PROXY_ID]})
-
-
-async def health_ready(request: web.Request) -> web.Response:
-    """200 when calls can be served and recorded; 503 with the reasons otherwise."""
-    app = request.app
-    router, recorder = app[ROUTER], app[RECORDER]
-    reasons: list[str] = []
-    if not router.models():
-        reasons.append("no routes: the route table has no upstream")
-    # A failed write counts for a few flush intervals; past that, with no traffic to write,
-    # the folder check alone says whether the store works again.
-    failed = recorder.failing(max(30.0, 3 * app[SETTINGS].store.flush_interval_s))
-    if failed is not None:
-        reasons.append(f"the trace store's last write failed: {failed}")
-    unwritable = await asyncio.to_thread(recorder.check_writable)
-    if unwritable is not None:
-        reasons.append(f"the trace store is not writable: {unwritable}")
-    return _json(
-        {
-            "status": "not ready" if reasons else "ready",
-            "reasons": reasons,
-            "proxy_id": app[PROXY_ID],
-            "models": router.models(),
-            "routes_version": router.version,
-        },
-        status=503 if reasons else 200,
-    )
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """``/v1/models`` merged over the upstreams: each routed model once, with the engine's own
-    metadata (``max_model_len``, ``owned_by``, ...) from the first replica that answers."""
-    router, session = request.app[ROUTER], request.app[SESSION]
-    first: dict[str, Replica] = {}
-    for rep in router.replicas():
-        if rep.active:
-            first.setdefault(rep.model, rep)
-
-    async def fetch(rep: Replica) -> list[dict[str, object]]:
-        headers = {"Authorization": f"Bearer {rep.api_key}"} if rep.api_key else {}
-        auth = request.headers.get("Authorization")
-        if auth and not rep.api_key and not request.app[SETTINGS].proxy.client_keys:
-            headers["Authorization"] = auth
-        try:
-            async with session.get(
-                f"{rep.url}/v1/models", headers=headers, timeout=aiohttp.ClientTimeout(total=3)
-            ) as r:
-                data = orjson.loads(await r.read()).get("data", []) if r.status == 200 else []
-                return [d for d in data if isinstance(d, dict)]
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, AttributeError):
-            return []
-
-    fetched = await asyncio.gather(*(fetch(r) for r in first.values()))
-    merged: dict[str, dict[str, object]] = {}
-    for model, entries in zip(first, fetched, strict=True):
-        own = next((e for e in entries if e.get("id") == model), None)
-        merged[model] = own or {"id": model, "object": "model", "owned_by": "scepsy"}
-    for model in router.models():
-        merged.setdefault(model, {"id": model, "object": "model", "owned_by": "scepsy"})
-    return _json({"object": "list", "data": list(merged.values())})
-
-
 def _named_workflows(settings: Settings) -> set[str]:
     """Workflows the settings name: they always get a metrics label of their own."""
     rollout = settings.rollout
@@ -211,8 +112,6 @@ def _named_workflows(settings: Settings) -> set[str]:
 def make_app(settings: Settings) -> web.Application:
     """The proxy application for ``settings``; serve it with :func:`make_runner` (a client
     that hangs up cancels its upstream call; aiohttp's own refusals are OpenAI-shaped)."""
-    from proxy import admin, forward  # the handlers need the keys defined above
-
     app = web.Application(
         client_max_size=settings.proxy.max_body_bytes, middlewares=[error_middleware]
     )
@@ -237,20 +136,8 @@ def make_app(settings: Settings) -> web.Application:
     # Order matters: started first, stopped last. The recorder outlives the session and the
     # prober, so records of calls cut at shutdown are still written.
     app.cleanup_ctx.extend([_recorder_ctx, _session_ctx, _prober_ctx])
-    app.router.add_get("/health", health)
-    app.router.add_get("/health/live", health_live)
-    app.router.add_get("/health/ready", health_ready)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/w/{workflow}/v1/models", list_models)
-    app.router.add_get("/w/{workflow}/r/{rid}/v1/models", list_models)
-    admin.add_routes(app)
-    # The engine routes by name resolve with one dict lookup; everything else (workflow paths,
-    # unknown paths) falls through to the catch-all, where the allow-list (proxy.routes)
-    # answers 404 for what is not an engine route.
-    for path in sorted(app[ROUTES].allowed):
-        app.router.add_post(path, forward.handle)
-    app.router.add_post("/{tail:.*}", forward.handle)
+    for module in (health, models, admin, forward):  # forward's catch-all POST comes last
+        app.add_routes(module.routes)
     return app
 
 

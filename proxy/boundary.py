@@ -1,11 +1,14 @@
 """The proxy's one error boundary: whatever goes wrong in a request, the client gets an
 OpenAI-shaped JSON error, and the log gets one line (a traceback only for the proxy's own bugs).
 
-Role: three pieces that together cover every way aiohttp can answer a request:
-- :func:`error_middleware`, around every handler: a :class:`~proxy.errors.ProxyError` becomes
-  its response, aiohttp's own ``HTTPException`` (no such route 404, wrong method 405, body over
-  ``client_max_size`` 413, ...) the same status in OpenAI shape, and any other exception a 500
-  logged once with its traceback (a real bug);
+Role: the only place an error response is built (:func:`error_response`, whose body is
+``proxy.errors.error_body``), and three pieces that together route every way aiohttp can answer
+a request through it:
+- :func:`error_middleware`, around every handler: a :class:`~proxy.errors.ProxyError` (which
+  handlers raise, never answer themselves) becomes its response, aiohttp's own
+  ``HTTPException`` (no such route 404, wrong method 405, body over ``client_max_size`` 413,
+  ...) the same status in OpenAI shape, and any other exception a 500 logged once with its
+  traceback (a real bug);
 - :class:`ProxyRunner`, the ``web.AppRunner`` to serve the app with: it builds the server's
   per-connection protocol as :class:`_Protocol`, whose ``handle_error`` answers what aiohttp
   refuses before any handler runs (a bad request line, too many or too long headers, a control
@@ -53,21 +56,34 @@ class InternalError(ProxyError):
     """A bug of the proxy's: the one way a client sees a 500."""
 
 
-def error_response(
-    status: int, message: str, *, type_: str, code: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    err = ProxyError(message)
-    err.status, err.type, err.code = status, type_, code
-    resp = err.response()
-    if headers:
-        resp.headers.update(headers)
+_BUG = "The proxy failed on this call (see its log)."
+
+
+class Refusal(ProxyError):
+    """One of aiohttp's own answers (a status it chose), in OpenAI terms; ``code`` is the
+    fallback for a status :data:`_HTTP_CODES` does not name."""
+
+    def __init__(self, status: int, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        if status >= 500:
+            self.type, self.code = "internal_error", "internal_error"
+        else:
+            self.type, self.code = _HTTP_CODES.get(status, ("invalid_request_error", code))
+
+
+def error_response(exc: ProxyError, headers: dict[str, str] | None = None) -> web.Response:
+    """The answer to ``exc``: its status, its OpenAI-shaped body (``proxy.errors.error_body``);
+    the one place the proxy builds an error response."""
+    resp = web.Response(
+        status=exc.status, body=exc.body(), content_type="application/json", headers=headers
+    )
+    if exc.close:
+        resp.force_close()
     return resp
 
 
 def _from_http_exception(exc: web.HTTPException) -> web.Response:
-    type_, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", "http_error"))
-    if exc.status >= 500:
-        type_, code = "internal_error", "internal_error"
     if exc.status == 404:
         message = "Unknown route."
     elif isinstance(exc, web.HTTPMethodNotAllowed):
@@ -75,13 +91,8 @@ def _from_http_exception(exc: web.HTTPException) -> web.Response:
     else:
         message = exc.text or exc.reason
     allow = exc.headers.get("Allow")
-    return error_response(
-        exc.status,
-        message[:_MESSAGE_LIMIT],
-        type_=type_,
-        code=code,
-        headers={"Allow": allow} if allow else None,
-    )
+    refusal = Refusal(exc.status, message[:_MESSAGE_LIMIT], code="http_error")
+    return error_response(refusal, {"Allow": allow} if allow else None)
 
 
 @web.middleware
@@ -91,7 +102,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         resp: web.StreamResponse = await handler(request)
         return resp
     except ProxyError as exc:
-        return exc.response()
+        return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:  # a redirect or a success raised as an exception: as it is
             raise
@@ -100,7 +111,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         raise  # the client hung up (or shutdown): nobody to answer
     except Exception:
         log.exception("bug: %s %s failed", request.method, request.rel_url.raw_path[:200])
-        return InternalError("The proxy failed on this call (see its log).").response()
+        return error_response(InternalError(_BUG))
 
 
 class _Protocol(RequestHandler):
@@ -119,15 +130,14 @@ class _Protocol(RequestHandler):
             raise ConnectionError("response already started; cannot send the error")
         if status >= 500:
             log.error("bug: aiohttp failed on a request", exc_info=exc)
-            resp = InternalError("The proxy failed on this call (see its log).").response()
+            err: ProxyError = InternalError(_BUG)
         else:
             why = message or (str(exc) if exc is not None else "") or "bad request"
             why = why[:_MESSAGE_LIMIT]
             log.info("refused a malformed request from %s: %s", request.remote, why)
-            type_, code = _HTTP_CODES.get(status, ("invalid_request_error", "invalid_request"))
-            resp = error_response(status, f"Malformed HTTP request: {why}", type_=type_, code=code)
-        resp.force_close()
-        return resp
+            err = Refusal(status, f"Malformed HTTP request: {why}", code="invalid_request")
+        err.close = True  # the connection's state is unknown: aiohttp closes it too
+        return error_response(err)
 
 
 class _Server(web.Server):

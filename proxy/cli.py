@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -29,6 +30,14 @@ from shared.settings import (
 )
 from shared.settings_schema import ENV_HELP
 from shared.version import add_version_argument
+
+# uvloop where installed (the proxy's loop is its hot path), else asyncio's own.
+try:
+    import uvloop
+
+    _UVLOOP: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+except ImportError:  # pragma: no cover - uvloop is a dependency on every platform but Windows
+    _UVLOOP = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,7 +89,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def _merge(base: Settings, proxy: dict[str, object], args: argparse.Namespace) -> Settings:
     """Overlay flags on the file's settings and validate the result as one document."""
-    import dataclasses
 
     def plain(obj: object) -> object:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -128,22 +136,11 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         await runner.cleanup()
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where installed (the proxy's loop is its hot path), else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on every platform but Windows
-        return None
-    return uvloop.new_event_loop
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.help_settings:
-        from shared.settings import Settings as Root
-
         print(f"{'key':42} {'type':28} {'default':24} meaning")
-        for row in describe(Root):
+        for row in describe(Settings):
             print(f"{row.key:42} {row.type:28} {row.default:24} {row.doc}")
         print(f"\n{ENV_HELP}")
         return 0
@@ -154,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scepsy-proxy: bad settings: {exc}", file=sys.stderr)
         return 2
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=_UVLOOP) as runner:
             runner.run(serve(settings))
     except OSError as exc:
         print(

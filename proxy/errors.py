@@ -1,14 +1,25 @@
-"""The proxy's error vocabulary, and its translation into OpenAI-style HTTP error bodies.
+"""The proxy's error vocabulary, and the one function that shapes an OpenAI-style error body.
 
-Role: every failure a client can see is a :class:`ProxyError` raised somewhere in the proxy and
-turned into ``{"error": {"message", "type", "param", "code"}}`` with the right status at the
-boundary (the request handler). Nothing else in the proxy builds error responses.
+Role: every failure a client can see is a :class:`ProxyError` raised somewhere in the proxy
+(or one of aiohttp's own refusals) and answered by ``proxy.boundary`` as
+``{"error": {"message", "type", "param", "code"}}`` with the error's status. :func:`error_body`
+is the only place that shape is written: the boundary's responses and the relay's mid-stream
+error events both use it.
+
+Invariants: no aiohttp here (errors are data; responses are the boundary's); a subclass fixes
+``status``/``type``/``code``, an instance carries the message and the offending ``param``.
 """
 
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+
+
+def error_body(message: str, *, type_: str, code: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error document, as JSON bytes (the shape the OpenAI SDKs parse)."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 class ProxyError(Exception):
@@ -25,22 +36,7 @@ class ProxyError(Exception):
         self.param = param
 
     def body(self) -> bytes:
-        return orjson.dumps(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            }
-        )
-
-    def response(self) -> web.Response:
-        resp = web.Response(status=self.status, body=self.body(), content_type="application/json")
-        if self.close:
-            resp.force_close()
-        return resp
+        return error_body(self.message, type_=self.type, code=self.code, param=self.param)
 
 
 class BadRequest(ProxyError):

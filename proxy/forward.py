@@ -1,9 +1,10 @@
 """Forwarding one client call: validate, identify, route, call upstream (retrying once), relay,
 and record — whatever happens.
 
-Role: the ``POST`` handler behind every engine route. Parsing and validation produce a
-:class:`Call`; :func:`handle` runs the exchange and turns :class:`~proxy.errors.ProxyError`s
-into OpenAI-style responses at this boundary.
+Role: the ``POST`` handler behind every engine route, and its route table (:data:`routes`).
+Parsing and validation produce a :class:`Call`; :func:`handle` runs the exchange and raises a
+:class:`~proxy.errors.ProxyError` for whatever the client should hear, which
+``proxy.boundary`` answers in OpenAI shape.
 
 Invariants:
 - every attempt that reached an upstream (or tried to) becomes one record, submitted in a
@@ -38,7 +39,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.app import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SETTINGS, UPSTREAM
 from proxy.errors import (
     BadRequest,
     BodyTooLarge,
@@ -52,6 +52,7 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.identity import identify, is_private_header, normalise
+from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SETTINGS, UPSTREAM
 from proxy.relay import relay_body, relay_stream
 from proxy.router import Replica
 from proxy.routes import ENGINE_ROUTES, PathRefused
@@ -73,7 +74,7 @@ from shared.records import (
 )
 from shared.settings import ProxySettings
 
-__all__ = ["ENGINE_ROUTES", "handle"]
+__all__ = ["ENGINE_ROUTES", "handle", "routes"]
 log = logging.getLogger(__name__)
 # Routes whose `stream: true` asks for an event stream (recorded as a streamed call). Any
 # route is relayed as a stream when its upstream answers text/event-stream, whatever it asked.
@@ -183,17 +184,14 @@ def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    """The engine routes' handler; errors are answered here (the common ones, cheaply) or by
-    ``proxy.boundary.error_middleware`` (anything else)."""
+    """The engine routes' handler; its errors are raised, and answered by
+    ``proxy.boundary.error_middleware`` (an exchange's are already counted and recorded)."""
     try:
         call, rec = await _prepare(request)
     except ProxyError as exc:
         request.app[METRICS].rejected(exc.status)
-        return exc.response()
-    try:
-        return await _exchange(request, call, rec)
-    except ProxyError as exc:  # already counted and recorded by the exchange
-        return exc.response()
+        raise
+    return await _exchange(request, call, rec)
 
 
 async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
@@ -399,3 +397,13 @@ def _next_attempt(rec: CallRecord) -> CallRecord:
         request_bytes=rec.request_bytes,
         body=rec.body,
     )
+
+
+# The engine routes by name resolve with one dict lookup in aiohttp's router; everything else
+# (workflow paths, proxy.extra_routes, unknown paths) falls through to the catch-all, where the
+# allow-list (proxy.routes) answers 404 for what is not an engine route. Any other method on
+# these paths is aiohttp's 405.
+routes = web.RouteTableDef()
+for _route in sorted(ENGINE_ROUTES):
+    routes.post(_route)(handle)
+routes.post("/{tail:.*}")(handle)

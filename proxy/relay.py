@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.errors import error_body
 from proxy.upstream import UpstreamProtocolError, UpstreamResponse
 from shared.records import CallRecord, now_us
 
@@ -268,5 +269,4 @@ def _responses_error(payload: bytes, rec: CallRecord) -> None:
 
 
 def _error_event(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": code}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return b"data: " + error_body(message, type_="bad_gateway", code=code) + b"\n\n"

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.app import RECORDER, ROUTER, make_app, make_runner
+from proxy.app import make_app, make_runner
+from proxy.keys import RECORDER, ROUTER
 from proxy.router import Router
 from shared.settings import Settings, settings_from_mapping
 from shared.store import StoreReader

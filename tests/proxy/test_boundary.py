@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
+from proxy.app import make_app, make_runner
 from shared.settings import SettingsError, settings_from_mapping
 from tests.proxy.conftest import ProxyFactory, ProxyHandle
 from tests.proxy.fake_engine import FakeEngine
@@ -254,3 +256,67 @@ async def test_an_upstream_error_echoing_the_key_is_not_stored(proxy_factory: Pr
     assert status == rec["status"] == 401
     assert "sk-client-key" not in rec["error"] and "[redacted]" in rec["error"]
     assert "Incorrect API key" in rec["error"]
+
+
+def _chunked(method: bytes, path: bytes, body: bytes, auth: bytes = b"") -> bytes:
+    head = b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % (method, path)
+    head += b"Authorization: Bearer %s\r\n" % auth if auth else b""
+    return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+
+async def test_aiohttp_own_answers_are_openai_json(
+    proxy_factory: ProxyFactory, engine: FakeEngine
+) -> None:
+    """aiohttp's HTTPNotFound, HTTPMethodNotAllowed and HTTPRequestEntityTooLarge, and the
+    proxy's own 413, reach the client as OpenAI JSON (never aiohttp's text/plain)."""
+    proxy = await proxy_factory([("m", engine.url)], max_body_bytes=2048, admin_token="t")
+    big = b'{"x": "' + b"a" * 5000 + b'"}'
+    for data, status, code in [
+        (b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 404, "not_found"),
+        (request_bytes("GET", b"/v1/chat/completions"), 405, "method_not_allowed"),
+        (request_bytes("PUT", b"/health"), 405, "method_not_allowed"),
+        (request_bytes("POST", b"/v1/chat/completions", big), 413, "request_too_large"),
+        (_chunked(b"POST", b"/v1/chat/completions", big), 413, "request_too_large"),
+        (
+            request_bytes("PUT", b"/admin/routes", big, [(b"Authorization", b"Bearer t")]),
+            413,
+            "request_too_large",
+        ),
+        (_chunked(b"PUT", b"/admin/routes", big, b"t"), 413, "request_too_large"),
+        (request_bytes("POST", b"/nope", CHAT), 404, "not_found"),
+    ]:
+        resp = await asyncio.to_thread(exchange, proxy.port, data)
+        err = assert_openai_error(resp, status)
+        assert (err["type"], err["code"]) == ("invalid_request_error", code), data[:40]
+        if status == 405:
+            assert "POST" in resp.headers["allow"].split(","), resp.headers
+    assert engine.calls == [] and await proxy.records() == []
+
+
+async def test_a_handler_bug_is_a_500_in_openai_shape(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any exception a handler lets out is a JSON 500 and one log line with its traceback."""
+
+    async def buggy(request: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    doc = {"proxy": {"listen": "127.0.0.1:0"}, "store": {"path": str(tmp_path / "store")}}
+    app = make_app(settings_from_mapping(doc))
+    app.router.add_get("/bug", buggy)
+    runner = make_runner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        with caplog.at_level(logging.INFO):
+            resp = await asyncio.to_thread(
+                exchange, runner.addresses[0][1], request_bytes("GET", b"/bug")
+            )
+    finally:
+        await runner.cleanup()
+    err = assert_openai_error(resp, 500)
+    assert (err["type"], err["code"]) == ("internal_error", "internal_error")
+    assert "a bug" not in err["message"]  # the log has the detail, the client does not
+    [bug] = [r for r in caplog.records if r.exc_info]
+    assert bug.getMessage() == "bug: GET /bug failed"

@@ -12,7 +12,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import RECORDER
+from proxy.keys import RECORDER
 from tests.proxy.conftest import ProxyHandle
 from tests.proxy.fake_engine import FakeEngine
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import METRICS
+from proxy.keys import METRICS
 from proxy.metrics import OTHER, AccessLoggingMetrics, ProxyMetrics, label_value
 from shared.store import segment_dir
 from tests.proxy.conftest import EngineFactory, ProxyFactory, ProxyHandle

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import UPSTREAM
+from proxy.keys import UPSTREAM
 from proxy.upstream import UpstreamClient, UpstreamTLSError, tls_context
 from shared.settings import SettingsError, settings_from_mapping
 from tests.proxy.conftest import EngineFactory, ProxyFactory
