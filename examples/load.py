@@ -1,6 +1,6 @@
 """Open-loop load: Poisson arrivals of workflow requests, then a JSON report per workflow.
 
-Role: start beam-search and/or RAG workflow requests as Poisson processes (each workflow at its
+Role: start beam-search, RAG and/or agent-loop workflow requests as Poisson processes (each workflow at its
 own rate) for ``--duration`` seconds, wait for every request it started, and print achieved
 throughput, latency percentiles and failures per workflow as JSON on stdout.
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from examples import agent_loop
 from examples.beam_search import PROBLEMS, BeamConfig, add_beam_args, beam_config_from, solve
 from examples.endpoints import Endpoints, add_endpoint_args, endpoints_from
 from examples.passages import passages, questions
@@ -117,7 +118,15 @@ async def workflow_requests(name: str, endpoints: Endpoints, args: argparse.Name
             return await answer(endpoints, index, asked[number % len(asked)].text, rag_cfg)
 
         return rag
-    raise SystemExit(f"unknown workflow {name!r} (beam or rag)")
+    if name == "agent":
+        agent_cfg = agent_loop.agent_config_from(args)
+
+        async def agent(number: int) -> object:
+            task = agent_loop.TASKS[number % len(agent_loop.TASKS)]
+            return await agent_loop.run(endpoints, task, agent_cfg, seed=args.seed + number)
+
+        return agent
+    raise SystemExit(f"unknown workflow {name!r} (beam, rag or agent)")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,13 +159,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Poisson load of agent workflows; JSON report.")
-    p.add_argument("--workflow", default="beam", help="beam, rag, or beam,rag")
+    p.add_argument("--workflow", default="beam", help="beam, rag, agent, or several: beam,rag")
     p.add_argument("--rate", default="1", help="requests per second (one, or one per workflow)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--seed", type=int, default=0)
     add_endpoint_args(p)
     add_beam_args(p)
     add_rag_args(p)
+    agent_loop.add_agent_args(p)
     return p
 
 

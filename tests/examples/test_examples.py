@@ -14,6 +14,9 @@ import pytest
 from aiohttp import web
 
 from examples import load
+from examples.agent_loop import TASKS as AGENT_TASKS
+from examples.agent_loop import AgentConfig
+from examples.agent_loop import run as agent_run
 from examples.beam_search import PROBLEMS, BeamConfig, solve
 from examples.endpoints import REQUEST_HEADER, WORKFLOW_HEADER, Endpoints
 from examples.passages import passages, questions, topic_of
@@ -179,3 +182,25 @@ async def test_examples_run_once_from_the_command_line(cluster: Cluster) -> None
     assert rag["answer"] and len(rag["passages"]) == 5  # type: ignore[arg-type]
     workflows = {s.workflow for s in cluster.seen}
     assert {"beam", "rag", "rag-index"} <= workflows
+
+
+async def test_agent_loop_plans_in_sequence_and_fans_out_beside_its_tool(cluster: Cluster) -> None:
+    endpoints = cluster.endpoints()
+    cfg = AgentConfig(min_steps=3, max_steps=5, p_stop=0.0, p_fan_out=1.0, fan_out=3, tool_s=0.01)
+    try:
+        result = await agent_run(endpoints, AGENT_TASKS[0], cfg, request_id="agent-1", seed=2)
+    finally:
+        await endpoints.close()
+    calls = [s for s in cluster.seen if s.request_id == "agent-1"]
+    assert {s.workflow for s in calls} == {"agent"}
+    models = [cluster.model_of(s) for s in calls]
+    # p_stop 0: every step but the last fans out; the last planner call ends the run.
+    assert result.steps == result.planner_calls == 5 and result.worker_calls == 3 * 4
+    assert models == (["llama-3-8b"] + ["llama-3.2-1b"] * 3) * 4 + ["llama-3-8b"]
+    assert result.tool_s > 0 and result.latency_s > 0
+
+
+async def test_load_runs_the_agent_workflow(cluster: Cluster) -> None:
+    report = await load.run(_args(cluster, workflow="agent", rate="6", max_steps=3, tool_s=0.01))
+    w = report["workflows"]["agent"]
+    assert w["started"] >= 1 and w["completed"] == w["started"] and w["failed"] == 0
