@@ -26,6 +26,7 @@ from pathlib import Path
 from shared.profile_points import ProfilePoint, export_json
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate
+from sim.perf import perf_model
 from sim.profiling import ProfileJob, WorkflowSetup, run_profile
 from sim.workflows import BeamParams, RagParams, WorkflowParams, models_of
 
@@ -43,31 +44,46 @@ def _calls_per_request(workflow: str, params: WorkflowParams, gpu: str) -> dict[
     return dict(res.workflows[workflow].calls_per_request)
 
 
-def jobs(gpu: str, beam: BeamParams, rag: RagParams, calls: int) -> list[ProfileJob]:
-    """One job per model of beam search and RAG, each on a whole GPU at TP 1."""
+def jobs(
+    gpu: str, beam: BeamParams, rag: RagParams, calls: int, shares: Sequence[float] = (1.0,)
+) -> list[ProfileJob]:
+    """One job per model of beam search and RAG and per GPU share it fits in, each at TP 1 (a
+    share whose memory holds no KV cache after the weights is skipped, as placement skips it)."""
     out = []
     for workflow, params in (("beam", beam), ("rag", rag)):
         n = _calls_per_request(workflow, params, gpu)
         setup = WorkflowSetup(workflow, params, gpu)
         for model in models_of(params):
-            out.append(
+            out += [
                 ProfileJob(
                     setup,
                     model,
                     1,
-                    1.0,
+                    share,
                     n[model],
                     calls,
-                    start_rate=1.0,
+                    start_rate=share,
                     refine=(0.5, 0.8),
                     max_doublings=14,
                 )
-            )
+                for share in shares
+                if perf_model(model, gpu, 1, share).kv_capacity_tokens() > 0
+            ]
     return out
 
 
 def _run(job: ProfileJob) -> list[ProfilePoint]:
     return [replace(p, engine=ENGINE) for p in run_profile(job)]
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--shares: a comma-separated list of numbers, got {text!r}") from None
+    if not shares or any(not 0 < s <= 1 for s in shares):
+        raise SystemExit(f"--shares: every share must be in (0, 1], got {text!r}")
+    return shares
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpu", default="a6000")
     p.add_argument("--beam", default="2,2,5", help="beams,width,iterations of beam search")
     p.add_argument("--calls", type=int, default=300, help="calls per profile point")
+    p.add_argument(
+        "--shares",
+        default="1,0.75,0.5,0.25",
+        help="GPU shares to profile at (the demo places replicas at each; a share is measured,"
+        " never scaled from another)",
+    )
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
     n, width, iterations = (int(x) for x in args.beam.split(","))
@@ -87,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         BeamParams(n=n, beam_width=width, max_iterations=iterations),
         RagParams(),
         args.calls,
+        _shares(args.shares),
     )
     with ProcessPoolExecutor(args.workers) as pool:
         points = [pt for batch in pool.map(_run, todo) for pt in batch]

@@ -320,7 +320,7 @@ def test_the_keep_up_test_is_the_optimizers() -> None:
 
 
 # ~4 s; fewer calls per point can leave one with no call started (an infinite latency)
-QUICK = ("--calls", "100", "--workers", "1", "--beam", "1,2,2")
+QUICK = ("--calls", "100", "--workers", "1", "--beam", "1,2,2", "--shares", "1,0.25")
 
 
 def test_the_demo_profiles_command_writes_simulated_points_of_every_demo_model(
@@ -342,7 +342,28 @@ def test_the_demo_profiles_command_writes_simulated_points_of_every_demo_model(
     assert {p.engine for p in points} == {"simulated"}
     models = {m for params in (BeamParams(), RagParams()) for m in models_of(params)}
     assert {p.model for p in points} == models
-    assert all(Profile.from_points(ps).saturation > 0 for ps in _by_model(points).values())
+    whole_gpu = [p for p in points if p.share == 1.0]
+    assert all(Profile.from_points(ps).saturation > 0 for ps in _by_model(whole_gpu).values())
+    # Each share is measured where the model fits (an 8B's weights leave a quarter of an A6000
+    # no KV cache), never scaled: a quarter GPU slows a light load far less than 4x.
+    quarter = {p.model for p in points if p.share == 0.25}
+    assert quarter == models - {"llama-3.1-8b-prm", "llama-3-8b"}
+    for model in quarter:
+        whole = Profile.from_points([p for p in points if p.model == model and p.share == 1.0])
+        measured = Profile.from_points([p for p in points if p.model == model and p.share == 0.25])
+        light = 0.2 * measured.saturation
+        assert float(measured.latency(light)) < float(whole.scaled(0.25).latency(light))
+
+
+def test_the_profiles_command_refuses_a_share_outside_0_1() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.profiles", "--out", "x.json", "--shares", "1,1.5"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode != 0 and "--shares" in done.stderr
 
 
 def _by_model(points: list[ProfilePoint]) -> dict[str, list[ProfilePoint]]:
