@@ -4,8 +4,15 @@ Role: a :class:`ProfilePoint` is one measured arrival rate for one
 ``(model, engine, gpu_type, tp, share)`` key. The profiler, the simulator's profiling and a
 file carried between clusters all produce them; the optimizer stores them and fits curves.
 
+Provenance: ``source`` says who measured a point: ``"replay"`` (a profiler or the simulator
+replaying a trace) or ``"live"`` (the daemon, from what a serving replica did over one window,
+:mod:`optimizer.model.live`); ``observed_at`` is a live point's window end (epoch seconds, 0 for
+replay points) and ``n_calls`` the sample size. Both default, so files and tables written before
+they existed still load as replay points.
+
 Invariants: points travel as ``{"points": [...]}`` JSON; :func:`import_json` refuses a point
-with ``tp < 1``, a share outside ``(0, 1]`` or a negative rate, naming the bad entry.
+with ``tp < 1``, a share outside ``(0, 1]``, a negative rate or an unknown ``source``, naming the
+bad entry.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from typing import Any
 import orjson
 
 from shared.settings_schema import SettingsError, decode
+
+SOURCES = ("replay", "live")
 
 
 class ProfileError(ValueError):
@@ -40,6 +49,8 @@ class ProfilePoint:
     lat_p99: float
     ttft_mean: float
     n_calls: int
+    source: str = "replay"  # "replay" | "live" (see the module docstring)
+    observed_at: float = 0.0  # epoch seconds of a live point's window end
 
     @property
     def key(self) -> ProfileKey:
@@ -75,4 +86,6 @@ def import_json(data: bytes | str) -> list[ProfilePoint]:
     for i, p in enumerate(points):
         if p.tp < 1 or not 0 < p.share <= 1 or p.offered_rate < 0 or p.throughput < 0:
             raise ProfileError(f"points[{i}]: tp >= 1, 0 < share <= 1, rates >= 0 required")
+        if p.source not in SOURCES:
+            raise ProfileError(f"points[{i}]: source must be one of {SOURCES}, not {p.source!r}")
     return points

@@ -46,6 +46,7 @@ PURE = (
     "optimizer.stats.sample",
     "optimizer.stats.union",
     "optimizer.stats.modality",
+    "optimizer.stats.replica_load",
     "optimizer.model",
     "optimizer.placement",
     "optimizer.search",

@@ -11,11 +11,21 @@ Invariants:
   above what the engine sustains, and deep overload can read far below it;
 - ``L(λ)`` is non-decreasing in ``λ``, finite below ``T_m`` and ``inf`` at or beyond it;
 - a curve scaled to another GPU share (throughput x r, latency at rate λ/r stretched by 1/r)
-  says so in ``scaled_from``.
+  says so in ``scaled_from``;
+- curves are made from replay points only (``source="replay"``); live points
+  (:mod:`optimizer.model.live`, ``source="live"``) correct the curve of their own key where
+  the replica ran (:meth:`Profile.corrected`): each latency statistic is scaled by the median,
+  over the live points, of live latency / curve latency at the live throughput, clipped to
+  ``[MIN_FACTOR, MAX_FACTOR]``, and ``T_m`` is raised only to a throughput a live point
+  sustained beyond it. The corrected curve says how many live points made it
+  (``corrected_by``). Live points of a model with no replayed curve make no curve; without
+  live points every curve is exactly the replayed one. The blend is pure and deterministic.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -27,7 +37,9 @@ from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
 
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
 _SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
+MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far live points may move a replayed curve
 Stat = Literal["mean", "p50", "p90", "p99"]
+_STATS: tuple[Stat, ...] = ("mean", "p50", "p90", "p99")
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -48,6 +60,7 @@ class Profile:
     lat: dict[str, FloatArray]
     ttft_mean: float  # at the lightest load
     scaled_from: float | None = None  # the profiled share this curve was scaled from
+    corrected_by: int = 0  # live points that corrected this curve (0: replay only)
 
     @classmethod
     def from_points(cls, points: Sequence[ProfilePoint]) -> Profile:
@@ -64,8 +77,8 @@ class Profile:
         rates = np.array([p.throughput for p in following], dtype=np.float64)
         order = np.argsort(rates, kind="stable")
         rates = rates[order]
-        lat = {}
-        for stat in ("mean", "p50", "p90", "p99"):
+        lat: dict[str, FloatArray] = {}
+        for stat in _STATS:
             values = np.array([getattr(p, f"lat_{stat}") for p in following])[order]
             lat[stat] = np.maximum.accumulate(values)
         return cls(
@@ -97,15 +110,46 @@ class Profile:
             scaled_from=self.key.share if self.scaled_from is None else self.scaled_from,
         )
 
+    def corrected(self, live: Sequence[ProfilePoint]) -> Profile:
+        """This curve corrected by ``live`` points of its key (see the module docstring);
+        itself when there are none."""
+        if not live:
+            return self
+        pts = sorted(live, key=lambda p: (p.throughput, p.observed_at, p.lat_mean))
+        lat: dict[str, FloatArray] = {}
+        for stat in _STATS:
+            ratios = []
+            for p in pts:
+                base = float(self.latency(p.throughput, stat))
+                if math.isfinite(base) and base > 0:  # a point past T_m only raises T_m
+                    ratios.append(getattr(p, f"lat_{stat}") / base)
+            factor = statistics.median(ratios) if ratios else 1.0
+            lat[stat] = self.lat[stat] * min(MAX_FACTOR, max(MIN_FACTOR, factor))
+        rates, saturation = self.rates, self.saturation
+        top = pts[-1]
+        if top.throughput >= saturation:  # sustained beyond T_m: the curve reaches it
+            rates = np.append(rates, top.throughput)
+            for stat in _STATS:
+                last = float(lat[stat][-1])
+                lat[stat] = np.append(lat[stat], max(last, float(getattr(top, f"lat_{stat}"))))
+            saturation = top.throughput * (1.0 + _SLIVER)
+        return replace(self, saturation=saturation, rates=rates, lat=lat, corrected_by=len(pts))
+
 
 class ProfileBook:
-    """Every profile of a cluster, looked up by model, TP degree and share."""
+    """Every profile of a cluster, looked up by model, TP degree and share: the replayed
+    curves, corrected by the live points of their keys (``profiles``; ``live`` holds the
+    live points by key)."""
 
     def __init__(self, points: Iterable[ProfilePoint]) -> None:
-        by_key: dict[ProfileKey, list[ProfilePoint]] = {}
+        replay: dict[ProfileKey, list[ProfilePoint]] = {}
+        live: dict[ProfileKey, list[ProfilePoint]] = {}
         for p in points:
-            by_key.setdefault(p.key, []).append(p)
-        self.profiles = {k: Profile.from_points(v) for k, v in sorted(by_key.items())}
+            (live if p.source == "live" else replay).setdefault(p.key, []).append(p)
+        self.live = {k: tuple(v) for k, v in sorted(live.items())}
+        self._replayed = {k: Profile.from_points(v) for k, v in sorted(replay.items())}
+        self.profiles = {k: p.corrected(self.live.get(k, ())) for k, p in self._replayed.items()}
+        self._scaled: dict[tuple[ProfileKey, ProfileKey], Profile] = {}
 
     def lookup(
         self,
@@ -116,10 +160,11 @@ class ProfileBook:
         gpu_type: str | None = None,
     ) -> Profile:
         """The measured curve, else the one of the nearest larger (else largest) measured share
-        of the same model/TP scaled to ``share`` (flagged by ``scaled_from``)."""
+        of the same model/TP scaled to ``share`` (flagged by ``scaled_from``); either corrected
+        by the live points of its own key."""
         candidates = [
-            p
-            for k, p in self.profiles.items()
+            k
+            for k in self._replayed
             if k.model == model
             and k.tp == tp
             and (engine is None or k.engine == engine)
@@ -127,13 +172,23 @@ class ProfileBook:
         ]
         if not candidates:
             raise ProfileError(f"no profile for model {model!r} at tp={tp}")
-        for p in candidates:
-            if abs(p.key.share - share) < 1e-9:
-                return p
-        larger = [p for p in candidates if p.key.share > share]
+        for k in candidates:
+            if abs(k.share - share) < 1e-9:
+                return self.profiles[k]
+        larger = [k for k in candidates if k.share > share]
         base = (
-            min(larger, key=lambda p: p.key.share)
-            if larger
-            else max(candidates, key=lambda p: p.key.share)
+            min(larger, key=lambda k: k.share) if larger else max(candidates, key=lambda k: k.share)
         )
-        return base.scaled(share)
+        target = replace(base, share=share)
+        got = self._scaled.get((base, target))
+        if got is None:
+            live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
+            got = self._replayed[base].scaled(share).corrected(live)
+            self._scaled[(base, target)] = got
+        return got
+
+
+def _same(a: ProfileKey, b: ProfileKey) -> bool:
+    return (a.model, a.engine, a.gpu_type, a.tp) == (b.model, b.engine, b.gpu_type, b.tp) and abs(
+        a.share - b.share
+    ) < 1e-9

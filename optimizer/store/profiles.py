@@ -3,7 +3,14 @@
 Role: the only code that reads or writes table ``profile``.
 
 Invariants:
-- a re-run replaces exactly the keys it measured (delete + insert in one transaction);
+- saving replay points replaces exactly the replay points of the keys measured (delete + insert
+  in one transaction): a re-run of the profiler replaces its own points and never a live one;
+- saving live points never deletes a replay point; per key it keeps the newest ``LIVE_KEEP``
+  live points no older than ``LIVE_MAX_AGE_S`` before the key's newest (by ``observed_at``),
+  so a replica's recent behaviour corrects its curve and an old one ages out;
+- a table written before points had provenance (no ``source``/``observed_at`` columns) is
+  migrated on the next write (columns added with their defaults: replay, 0) and read as
+  replay points until then;
 - the database is opened only for the duration of one call, read-write only to write, so the
   daemon, the CLI and a profiler can take turns; async callers use the ``*_async`` wrappers,
   which run in a thread.
@@ -19,9 +26,11 @@ from pathlib import Path
 
 import duckdb
 
-from shared.profile_points import ProfilePoint
+from shared.profile_points import ProfileKey, ProfilePoint
 
 DB_NAME = "optimizer.duckdb"
+LIVE_KEEP = 5  # live points kept per key: the last few windows a replica of the key served
+LIVE_MAX_AGE_S = 3600.0  # ... none older than this before the key's newest live point
 _COLUMNS = tuple(f.name for f in fields(ProfilePoint))
 _SQL_TYPES = {
     "model": "VARCHAR",
@@ -29,12 +38,20 @@ _SQL_TYPES = {
     "gpu_type": "VARCHAR",
     "tp": "INTEGER",
     "n_calls": "BIGINT",
+    "source": "VARCHAR",
 }
+_DEFAULTS = {"source": "'replay'", "observed_at": "0.0::DOUBLE"}  # of columns added after the first
 _CREATE = (
     "CREATE TABLE IF NOT EXISTS profile ("
     + ", ".join(f"{c} {_SQL_TYPES.get(c, 'DOUBLE')}" for c in _COLUMNS)
     + ")"
 )
+_MIGRATE = tuple(
+    f"ALTER TABLE profile ADD COLUMN IF NOT EXISTS {c} {_SQL_TYPES.get(c, 'DOUBLE')} "
+    f"DEFAULT {default}"
+    for c, default in _DEFAULTS.items()
+)
+_KEY_WHERE = "model = ? AND engine = ? AND gpu_type = ? AND tp = ? AND share = ?"
 
 
 def db_path(store: str | Path) -> Path:
@@ -54,7 +71,9 @@ def _connect(path: Path, read_only: bool, wait_s: float = 5.0) -> duckdb.DuckDBP
 
 
 def save_points(store: str | Path, points: Sequence[ProfilePoint]) -> int:
-    """Store ``points``, replacing every earlier point of the keys they cover. Returns rows."""
+    """Store ``points``: replay points replace every earlier replay point of the keys they
+    cover; live points join the key's live points, the oldest beyond the bounds dropped
+    (``LIVE_KEEP``, ``LIVE_MAX_AGE_S``). Returns the rows inserted."""
     if not points:
         return 0
     path = db_path(store)
@@ -62,22 +81,50 @@ def save_points(store: str | Path, points: Sequence[ProfilePoint]) -> int:
     con = _connect(path, read_only=False)
     try:
         con.execute(_CREATE)
+        for statement in _MIGRATE:
+            con.execute(statement)
         con.execute("BEGIN TRANSACTION")
-        for key in sorted({p.key for p in points}):
+        replay_keys = sorted({p.key for p in points if p.source != "live"})
+        for key in replay_keys:
             con.execute(
-                "DELETE FROM profile WHERE model = ? AND engine = ? AND gpu_type = ? AND tp = ? "
-                "AND share = ?",
-                [key.model, key.engine, key.gpu_type, key.tp, key.share],
+                f"DELETE FROM profile WHERE {_KEY_WHERE} AND source <> 'live'", _key_params(key)
             )
         con.executemany(
             f"INSERT INTO profile ({', '.join(_COLUMNS)}) VALUES "
             f"({', '.join('?' for _ in _COLUMNS)})",
             [[getattr(p, c) for c in _COLUMNS] for p in points],
         )
+        for key in sorted({p.key for p in points if p.source == "live"}):
+            _prune_live(con, key)
         con.execute("COMMIT")
     finally:
         con.close()
     return len(points)
+
+
+def _key_params(key: ProfileKey) -> list[object]:
+    return [key.model, key.engine, key.gpu_type, key.tp, key.share]
+
+
+def _prune_live(con: duckdb.DuckDBPyConnection, key: ProfileKey) -> None:
+    """Drop the key's live points beyond the newest ``LIVE_KEEP`` or older than
+    ``LIVE_MAX_AGE_S`` before its newest."""
+    con.execute(
+        f"""
+        DELETE FROM profile WHERE {_KEY_WHERE} AND source = 'live' AND observed_at NOT IN (
+            SELECT observed_at FROM profile WHERE {_KEY_WHERE} AND source = 'live'
+            ORDER BY observed_at DESC LIMIT {LIVE_KEEP})
+        """,
+        _key_params(key) * 2,
+    )
+    con.execute(
+        f"""
+        DELETE FROM profile WHERE {_KEY_WHERE} AND source = 'live' AND observed_at < (
+            SELECT max(observed_at) FROM profile WHERE {_KEY_WHERE} AND source = 'live'
+        ) - {LIVE_MAX_AGE_S}
+        """,
+        _key_params(key) * 2,
+    )
 
 
 def load_points(store: str | Path, model: str | None = None) -> list[ProfilePoint]:
@@ -91,9 +138,12 @@ def load_points(store: str | Path, model: str | None = None) -> list[ProfilePoin
         if tables.fetchall()[0][0] == 0:
             return []
         where, params = ("WHERE model = ?", [model]) if model is not None else ("", [])
+        have = {str(r[1]) for r in con.execute("PRAGMA table_info('profile')").fetchall()}
+        # a table not yet migrated reads its missing columns' defaults (read-only: no ALTER)
+        cols = [c if c in have else f"{_DEFAULTS[c]} AS {c}" for c in _COLUMNS]
         rows = con.execute(
-            f"SELECT {', '.join(_COLUMNS)} FROM profile {where} "
-            "ORDER BY model, engine, gpu_type, tp, share, offered_rate",
+            f"SELECT {', '.join(cols)} FROM profile {where} "
+            "ORDER BY model, engine, gpu_type, tp, share, source, offered_rate, observed_at",
             params,
         ).fetchall()
     finally:

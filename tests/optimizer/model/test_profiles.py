@@ -146,3 +146,100 @@ def test_book_prefers_measured_then_scales() -> None:
     assert book.lookup("gen", 1, 0.75).scaled_from == 1.0
     with pytest.raises(ProfileError):
         book.lookup("gen", 4, 1.0)
+
+
+# --- live points blended with the replayed curve ---------------------------------------------
+def live(
+    rate: float, factor: float, share: float = 1.0, model: str = "gen", t: float = 1000.0
+) -> ProfilePoint:
+    """A live point at ``rate`` reading ``factor`` x the replayed M/M/1 latency (at share 1)."""
+    lat = factor / (MU - rate) if rate < MU else AT_MU
+    return ProfilePoint(
+        model, "emulator", "H100", 1, share, rate, rate, lat, lat * 0.7, lat * 2.3, lat * 4.6,
+        0.01, 60, source="live", observed_at=t,
+    )  # fmt: skip
+
+
+def test_live_points_at_half_the_replayed_latency_halve_the_curve() -> None:
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    book = ProfileBook([*mm1(), live(3.0, 0.5), live(5.0, 0.5, t=1001.0)])
+    got = book.lookup("gen", 1, 1.0)
+    assert got.corrected_by == 2 and replayed.corrected_by == 0
+    rates = np.array([1.0, 4.0, 8.0])
+    for stat in ("mean", "p50", "p90", "p99"):
+        assert got.latency(rates, stat) == pytest.approx(replayed.latency(rates, stat) * 0.5)
+    assert got.saturation == replayed.saturation
+
+
+def test_the_correction_is_clipped() -> None:
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    slow = ProfileBook([*mm1(), live(3.0, 10.0)]).lookup("gen", 1, 1.0)
+    fast = ProfileBook([*mm1(), live(3.0, 0.01)]).lookup("gen", 1, 1.0)
+    assert slow.latency(4.0) == pytest.approx(replayed.latency(4.0) * 4.0)
+    assert fast.latency(4.0) == pytest.approx(replayed.latency(4.0) * 0.25)
+
+
+def test_a_scaled_curve_is_corrected_by_live_points_of_its_own_key() -> None:
+    book = ProfileBook([*mm1(), live(2.0, 1.0, share=0.5)])  # replayed at 1.0 only
+    plain = ProfileBook(mm1()).lookup("gen", 1, 0.5)
+    got = book.lookup("gen", 1, 0.5)
+    assert got.scaled_from == 1.0 and got.corrected_by == 1
+    # the live point read 1/(10-2) = 0.125 s at 2 calls/s: the scaled curve moves onto it
+    factor = 0.125 / float(plain.latency(2.0))
+    assert got.latency(2.0) == pytest.approx(0.125)
+    assert got.latency(1.0) == pytest.approx(plain.latency(1.0) * factor)
+    assert book.lookup("gen", 1, 0.25).corrected_by == 0  # not where the replica ran
+
+
+def test_a_live_point_beyond_saturation_raises_it_and_nothing_else() -> None:
+    replayed = ProfileBook(mm1(share=0.5, mu=6.0)).lookup("gen", 1, 0.5)
+    extra = replace(live(0.0, 1.0, share=0.5), offered_rate=7.0, throughput=7.0, lat_mean=2.0)
+    got = ProfileBook([*mm1(share=0.5, mu=6.0), extra]).lookup("gen", 1, 0.5)
+    assert got.saturation == pytest.approx(7.0)
+    assert np.isfinite(got.latency(6.5)) and got.latency(3.0) == replayed.latency(3.0)
+    assert got.latency(7.0) >= got.latency(6.0)
+
+
+def test_live_points_alone_make_no_curve_and_none_leave_the_book_as_it_was() -> None:
+    with pytest.raises(ProfileError):
+        ProfileBook([live(3.0, 1.0)]).lookup("gen", 1, 1.0)
+    assert ProfileBook([live(3.0, 1.0)]).profiles == {}
+    a, b = ProfileBook(mm1()), ProfileBook(mm1())
+    assert a.profiles.keys() == b.profiles.keys()
+    for k, p in a.profiles.items():
+        q = b.profiles[k]
+        assert (p.saturation, p.corrected_by) == (q.saturation, 0)
+        assert np.array_equal(p.rates, q.rates) and np.array_equal(p.lat["mean"], q.lat["mean"])
+
+
+def test_saving_live_points_keeps_replay_points_and_only_the_newest_live_ones(
+    tmp_path: Path,
+) -> None:
+    save_points(tmp_path, mm1())
+    for t in range(8):
+        save_points(tmp_path, [live(3.0, 0.5, t=1000.0 + t)])
+    got = load_points(tmp_path)
+    assert len([p for p in got if p.source == "replay"]) == 9
+    assert sorted(p.observed_at for p in got if p.source == "live") == [
+        1003.0 + i for i in range(5)
+    ]
+    save_points(tmp_path, [live(3.0, 0.5, t=1007.0 + 4000.0)])  # an hour later: old ones age out
+    assert [p.observed_at for p in load_points(tmp_path) if p.source == "live"] == [5007.0]
+    save_points(tmp_path, mm1(rates=(2, 4)))  # a new replay replaces replay points only
+    got = load_points(tmp_path)
+    assert [p.offered_rate for p in got if p.source == "replay"] == [2, 4]
+    assert len([p for p in got if p.source == "live"]) == 1
+
+
+def test_json_source_is_validated() -> None:
+    points = [live(3.0, 0.5)]
+    assert import_json(export_json(points)) == points
+    bad = export_json([replace(points[0], source="guess")])
+    with pytest.raises(ProfileError, match="source"):
+        import_json(bad)
+    # a file written before provenance existed loads as replay points
+    old = b'{"points": [{"model": "m", "engine": "e", "gpu_type": "g", "tp": 1, "share": 1.0, '
+    old += b'"offered_rate": 1, "throughput": 1, "lat_mean": 1, "lat_p50": 1, "lat_p90": 1, '
+    old += b'"lat_p99": 1, "ttft_mean": 0.1, "n_calls": 10}]}'
+    (p,) = import_json(old)
+    assert (p.source, p.observed_at) == ("replay", 0.0)

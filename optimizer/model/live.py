@@ -1,0 +1,131 @@
+"""Live profile points: what serving replicas did over a window, as profile points (pure).
+
+Role: :func:`live_points` turns each replica's load over one statistics window
+(:class:`optimizer.stats.replica_load.ReplicaLoad`, read by :mod:`optimizer.stats.replicas`)
+into a :class:`shared.profile_points.ProfilePoint` of the replica's key ``(model, engine,
+gpu_type, tp, share)`` with ``source="live"``: offered rate = throughput = finished calls per
+second, latencies as measured, ``n_calls`` the finished calls, ``observed_at`` the window's end.
+The profile book blends them with the replayed curve (:mod:`optimizer.model.curves`).
+
+Invariants (trust rules; :func:`verdict` names the one a load fails):
+- the load must match a replica that runs now (same model and URL), is ready, and was already
+  seen running when the window began (one started or replaced during it is skipped);
+- at least ``MIN_CALLS`` finished calls over a window at least ``min_window_s`` long;
+- not overloaded: calls started but not finished in the window at most ``MAX_BACKLOG`` of those
+  started, and the mean latency of calls started in the window's second half at most
+  ``MAX_RISE`` x that of the first half (a queue building up reads as rising latency);
+- the point's rates are those the replica served, so the curve it corrects is read at the load
+  the replica actually saw; nothing here extrapolates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from optimizer.stats.replica_load import ReplicaLoad
+from shared.profile_points import ProfilePoint
+
+__all__ = ["MAX_BACKLOG", "MAX_RISE", "MIN_CALLS", "Replica", "live_points", "verdict"]
+
+MIN_CALLS = 20  # finished calls: below this a window's mean and p99 are noise
+MAX_BACKLOG = 0.10  # (started - finished) / started above this: the replica fell behind
+MAX_RISE = 1.5  # second-half / first-half mean latency above this: a queue was building
+UNKNOWN_ENGINE = "unknown"  # engine of a model no replayed profile names
+
+
+class Replica(Protocol):
+    """What a backend observes of a replica (``optimizer.plan.planner.RunningReplica``)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def share(self) -> float: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+
+
+def verdict(
+    load: ReplicaLoad,
+    replica: Replica | None,
+    seen_since: float | None,
+    min_window_s: float,
+) -> str | None:
+    """Why ``load`` is not trusted (``None``: it is). ``seen_since``: when the replica was
+    first seen running (epoch s)."""
+    if replica is None:
+        return "no running replica at this URL"
+    if not replica.ready:
+        return "replica not ready"
+    if seen_since is None or seen_since > load.t_from_us / 1e6:
+        return "replica started or replaced during the window"
+    if load.window_s < min_window_s:
+        return f"window {load.window_s:.0f} s < {min_window_s:.0f} s"
+    if load.finished < MIN_CALLS:
+        return f"{load.finished} calls < {MIN_CALLS}"
+    if not math.isfinite(load.lat_mean):
+        return "no latency measured"
+    if load.started - load.finished > MAX_BACKLOG * load.started:
+        return f"overloaded: {load.started} calls started, {load.finished} finished"
+    early, late = load.lat_mean_early, load.lat_mean_late
+    if math.isfinite(early) and math.isfinite(late) and late > MAX_RISE * early:
+        return f"overloaded: latency rose from {early:.3f} s to {late:.3f} s in the window"
+    return None
+
+
+def live_points(
+    loads: Iterable[ReplicaLoad],
+    replicas: Iterable[Replica],
+    seen_since: Mapping[str, float],
+    gpu_types: Mapping[str, str],
+    engines: Mapping[str, str],
+    min_window_s: float,
+) -> list[ProfilePoint]:
+    """The trusted loads as live points. ``seen_since``: per replica URL, when it was first
+    seen running (epoch s); ``gpu_types``: per node, its GPU type; ``engines``: per model, the
+    engine its replayed profile names."""
+    by_url = {(r.model, r.url): r for r in replicas}
+    out = []
+    for load in sorted(loads, key=lambda ld: (ld.model, ld.upstream)):
+        replica = by_url.get((load.model, load.upstream))
+        since = seen_since.get(load.upstream)
+        if replica is None or verdict(load, replica, since, min_window_s) is not None:
+            continue
+        out.append(_point(load, replica, gpu_types, engines))
+    return out
+
+
+def _point(
+    load: ReplicaLoad, replica: Replica, gpu_types: Mapping[str, str], engines: Mapping[str, str]
+) -> ProfilePoint:
+    rate = load.throughput
+    # a call whose first byte was never recorded: its first byte is as late as its end
+    ttft = load.ttft_mean if math.isfinite(load.ttft_mean) else load.lat_mean
+    return ProfilePoint(
+        model=load.model,
+        engine=engines.get(load.model, UNKNOWN_ENGINE),
+        gpu_type=gpu_types.get(replica.node, ""),
+        tp=replica.tp,
+        share=replica.share,
+        offered_rate=rate,
+        throughput=rate,
+        lat_mean=load.lat_mean,
+        lat_p50=_or(load.lat_p50, load.lat_mean),
+        lat_p90=_or(load.lat_p90, load.lat_mean),
+        lat_p99=_or(load.lat_p99, load.lat_mean),
+        ttft_mean=ttft,
+        n_calls=load.finished,
+        source="live",
+        observed_at=load.t_to_us / 1e6,
+    )
+
+
+def _or(x: float, default: float) -> float:
+    return x if math.isfinite(x) else default

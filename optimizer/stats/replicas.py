@@ -1,0 +1,115 @@
+"""What each replica did in a window, read from the trace store (DuckDB, the store edge).
+
+Role: :func:`replica_loads` groups the window's call records by (model, upstream URL) into
+:class:`optimizer.stats.replica_load.ReplicaLoad` (calls started and finished, latency mean and
+percentiles, TTFT, latency early and late in the window); :func:`replica_loads_store` opens the
+store. The daemon turns them into live profile points (:mod:`optimizer.model.live`).
+
+Invariants:
+- a retried call is one logical call, as in the statistics scan: rows sharing a ``call_id``
+  keep only the highest ``attempt``; an open row (``t_end`` null) is the same call as the
+  finished row that supersedes it (calls are counted by ``call_id``);
+- ``started`` counts logical calls whose start lies in ``[t_from, t_to)``; the latency figures
+  and ``finished`` cover calls that ended in ``[t_from, t_to)`` with status 200 (a window's
+  completions: at a steady load as many as started);
+- rows without an upstream (refused before any replica was picked) are left out;
+- the connection is closed whatever happens; a segment found unreadable is skipped
+  (``StoreReader.read``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from optimizer.stats.replica_load import ReplicaLoad
+from shared.store import StoreReader
+
+__all__ = ["replica_loads", "replica_loads_store"]
+
+_LOOKBACK_US = 600 * 1_000_000  # calls that ended in the window may have started this early
+
+
+def replica_loads(
+    con: duckdb.DuckDBPyConnection, calls: duckdb.DuckDBPyRelation, t_from_us: int, t_to_us: int
+) -> list[ReplicaLoad]:
+    """Per (model, upstream) over ``[t_from_us, t_to_us)`` from ``calls`` (a relation on
+    ``con``), ordered by model then upstream."""
+    view = f"_scepsy_replicas_{id(calls)}"
+    calls.create_view(view, replace=True)
+    lo, hi = int(t_from_us), int(t_to_us)
+    mid = (lo + hi) // 2
+    try:
+        rows = con.execute(f"""
+            WITH top AS (
+                SELECT call_id, max(coalesce(attempt, 0)) AS top FROM {view} GROUP BY call_id),
+            c AS (
+                SELECT b.model, b.upstream, b.call_id, b.status, b.t_start, b.t_first_byte,
+                       b.t_end
+                FROM {view} b JOIN top x
+                  ON b.call_id = x.call_id AND coalesce(b.attempt, 0) = x.top
+                WHERE b.upstream IS NOT NULL AND b.model IS NOT NULL),
+            done AS (
+                SELECT *, (t_end - t_start) / 1e6 AS lat FROM c
+                WHERE t_end IS NOT NULL AND status = 200 AND t_end >= {lo} AND t_end < {hi})
+            SELECT k.model, k.upstream,
+                   coalesce(s.started, 0), coalesce(d.finished, 0), d.lat_mean, d.p50, d.p90,
+                   d.p99, d.ttft, d.early, d.late
+            FROM (SELECT DISTINCT model, upstream FROM c
+                  WHERE (t_start >= {lo} AND t_start < {hi})
+                     OR (t_end >= {lo} AND t_end < {hi})) k
+            LEFT JOIN (SELECT model, upstream, count(DISTINCT call_id) AS started FROM c
+                       WHERE t_start >= {lo} AND t_start < {hi} GROUP BY ALL) s
+              USING (model, upstream)
+            LEFT JOIN (SELECT model, upstream, count(*) AS finished, avg(lat) AS lat_mean,
+                              quantile_cont(lat, 0.5) AS p50, quantile_cont(lat, 0.9) AS p90,
+                              quantile_cont(lat, 0.99) AS p99,
+                              avg((t_first_byte - t_start) / 1e6) AS ttft,
+                              avg(lat) FILTER (WHERE t_start >= {lo} AND t_start < {mid})
+                                AS early,
+                              avg(lat) FILTER (WHERE t_start >= {mid}) AS late
+                       FROM done GROUP BY ALL) d
+              USING (model, upstream)
+            ORDER BY k.model, k.upstream
+        """).fetchall()
+    finally:
+        con.execute(f"DROP VIEW IF EXISTS {view}")
+    return [
+        ReplicaLoad(
+            model=str(m),
+            upstream=str(u),
+            t_from_us=lo,
+            t_to_us=hi,
+            started=int(started),
+            finished=int(finished),
+            lat_mean=_f(mean),
+            lat_p50=_f(p50),
+            lat_p90=_f(p90),
+            lat_p99=_f(p99),
+            ttft_mean=_f(ttft),
+            lat_mean_early=_f(early),
+            lat_mean_late=_f(late),
+        )
+        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late in rows
+    ]
+
+
+def _f(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def replica_loads_store(store: str | Path, t_from_us: int, t_to_us: int) -> list[ReplicaLoad]:
+    """:func:`replica_loads` over the store's calls (read from ``_LOOKBACK_US`` before the
+    window, so that a call ending in it is seen)."""
+    reader = StoreReader(store)
+    try:
+        return reader.read(
+            lambda calls: replica_loads(reader.con, calls, t_from_us, t_to_us),
+            t_from_us - _LOOKBACK_US,
+            t_to_us,
+        )
+    finally:
+        reader.close()

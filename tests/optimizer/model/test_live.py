@@ -1,0 +1,95 @@
+"""Live profile points: the trust rules and the point a good window makes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+
+from optimizer.model import live
+from optimizer.model.live import live_points, verdict
+from optimizer.stats.replica_load import ReplicaLoad
+from shared.profile_points import ProfileKey, ProfilePoint
+
+S = 1_000_000
+T0 = 1_700_000_000.0
+
+
+@dataclass(frozen=True)
+class _Replica:
+    model: str = "m"
+    node: str = "n0"
+    tp: int = 1
+    share: float = 0.5
+    url: str = "http://a"
+    ready: bool = True
+
+
+def _load(**kw: object) -> ReplicaLoad:
+    base = ReplicaLoad(
+        model="m",
+        upstream="http://a",
+        t_from_us=round(T0 * S),
+        t_to_us=round((T0 + 40) * S),
+        started=100,
+        finished=100,
+        lat_mean=0.6,
+        lat_p50=0.55,
+        lat_p90=0.9,
+        lat_p99=1.2,
+        ttft_mean=0.1,
+        lat_mean_early=0.6,
+        lat_mean_late=0.62,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def _points(
+    load: ReplicaLoad, since: float = T0 - 100, replica: _Replica | None = None
+) -> list[ProfilePoint]:
+    return live_points(
+        [load],
+        [replica or _Replica()],
+        {"http://a": since},
+        {"n0": "a6000"},
+        {"m": "emulator"},
+        min_window_s=20.0,
+    )
+
+
+def test_a_good_window_makes_one_live_point_of_the_replica_key() -> None:
+    (p,) = _points(_load())
+    assert p.key == ProfileKey("m", "emulator", "a6000", 1, 0.5)
+    assert p.offered_rate == p.throughput == pytest.approx(100 / 40)
+    assert (p.lat_mean, p.lat_p50, p.lat_p90, p.lat_p99, p.ttft_mean) == (0.6, 0.55, 0.9, 1.2, 0.1)
+    assert (p.n_calls, p.source, p.observed_at) == (100, "live", T0 + 40)
+
+
+@pytest.mark.parametrize(
+    ("load", "why"),
+    [
+        (_load(started=19, finished=19), "calls <"),
+        (_load(t_to_us=round((T0 + 15) * S)), "window"),
+        (_load(started=120, finished=100), "overloaded"),
+        (_load(lat_mean_early=0.4, lat_mean_late=0.9), "latency rose"),
+    ],
+)
+def test_too_few_calls_a_short_window_or_an_overload_make_no_point(
+    load: ReplicaLoad, why: str
+) -> None:
+    assert _points(load) == []
+    reason = verdict(load, _Replica(), T0 - 100, 20.0)
+    assert reason is not None and why in reason
+
+
+def test_a_replica_not_ready_replaced_or_unknown_makes_no_point() -> None:
+    assert _points(_load(), replica=_Replica(ready=False)) == []
+    assert _points(_load(), since=T0 + 5) == []  # started during the window
+    assert _points(_load(), replica=_Replica(url="http://other")) == []
+
+
+def test_a_small_backlog_and_unknown_ttft_are_still_trusted() -> None:
+    (p,) = _points(_load(started=105, finished=100, ttft_mean=math.nan))
+    assert p.ttft_mean == p.lat_mean
+    assert live.MIN_CALLS == 20 and live.MAX_BACKLOG == 0.10

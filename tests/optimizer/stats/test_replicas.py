@@ -1,0 +1,90 @@
+"""Per-replica figures of a window, from a real store written by the segment writer."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from optimizer.stats.replicas import replica_loads_store
+from shared.records import CallRecord
+from shared.store import SegmentWriter
+
+S = 1_000_000
+_ids = itertools.count()
+
+
+def _row(
+    model: str,
+    upstream: str,
+    start: float,
+    end: float | None,
+    *,
+    status: int = 200,
+    call_id: str | None = None,
+    attempt: int = 0,
+    ttfb: float | None = None,
+) -> tuple[object, ...]:
+    return CallRecord(
+        call_id=call_id or f"r{next(_ids)}",
+        proxy_id="test",
+        workflow="wf",
+        request_id=f"q{next(_ids)}",
+        model=model,
+        endpoint="/v1/chat/completions",
+        upstream=upstream,
+        attempt=attempt,
+        status=None if end is None else status,
+        t_start=round(start * S),
+        t_first_byte=None if ttfb is None else round(ttfb * S),
+        t_end=None if end is None else round(end * S),
+    ).row()
+
+
+def _write(store: Path, rows: list[tuple[object, ...]]) -> None:
+    writer = SegmentWriter(store, "test")
+    try:
+        writer.write(rows)
+    finally:
+        writer.close()
+
+
+def test_each_replica_gets_its_own_counts_latencies_and_ttft(tmp_path: Path) -> None:
+    rows = []
+    for i in range(10):  # replica a: one call a second, 0.5 s each (0.1 s to first byte)
+        rows.append(_row("m", "http://a", 100 + i, 100.5 + i, ttfb=100.1 + i))
+    for i in range(4):  # replica b: slower, 2 s
+        rows.append(_row("m", "http://b", 100 + 2 * i, 102 + 2 * i))
+    rows.append(_row("m", "http://b", 108.5, None))  # still running: started, not finished
+    rows.append(_row("m", "http://b", 105, 106, status=500))  # failed: started only
+    rows.append(_row("m", "http://a", 50, 51))  # before the window: nothing
+    _write(tmp_path, rows)
+    loads = {ld.upstream: ld for ld in replica_loads_store(tmp_path, 100 * S, 110 * S)}
+    a, b = loads["http://a"], loads["http://b"]
+    assert (a.started, a.finished, a.window_s, a.throughput) == (10, 10, 10.0, 1.0)
+    assert a.lat_mean == pytest.approx(0.5) and a.lat_p99 == pytest.approx(0.5)
+    assert a.ttft_mean == pytest.approx(0.1)
+    assert a.lat_mean_early == pytest.approx(0.5) and a.lat_mean_late == pytest.approx(0.5)
+    assert (b.started, b.finished) == (6, 4)
+    assert b.lat_mean == pytest.approx(2.0) and math.isnan(b.ttft_mean)
+
+
+def test_a_retried_call_counts_once_at_its_last_attempt(tmp_path: Path) -> None:
+    rows = [
+        _row("m", "http://a", 100, 101, status=502, call_id="x", attempt=0),
+        _row("m", "http://b", 101, 102, call_id="x", attempt=1),
+        _row("m", "http://b", 103, 104),
+    ]
+    _write(tmp_path, rows)
+    loads = {ld.upstream: ld for ld in replica_loads_store(tmp_path, 100 * S, 110 * S)}
+    assert set(loads) == {"http://b"}
+    assert (loads["http://b"].started, loads["http://b"].finished) == (2, 2)
+
+
+def test_latency_early_and_late_in_the_window(tmp_path: Path) -> None:
+    rows = [_row("m", "http://a", 100 + i, 100.2 + i + 0.2 * i) for i in range(10)]
+    _write(tmp_path, rows)
+    (a,) = replica_loads_store(tmp_path, 100 * S, 112 * S)
+    assert a.lat_mean_late > 2 * a.lat_mean_early

@@ -1,0 +1,46 @@
+"""The profile table written before points had provenance: read as replay, migrated on write."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import duckdb
+
+from optimizer.store.profiles import db_path, load_points, save_points
+from shared.profile_points import ProfilePoint
+
+_OLD_COLUMNS = (
+    "model VARCHAR, engine VARCHAR, gpu_type VARCHAR, tp INTEGER, share DOUBLE, "
+    "offered_rate DOUBLE, throughput DOUBLE, lat_mean DOUBLE, lat_p50 DOUBLE, lat_p90 DOUBLE, "
+    "lat_p99 DOUBLE, ttft_mean DOUBLE, n_calls BIGINT"
+)
+
+
+def _old_table(store: Path) -> None:
+    con = duckdb.connect(str(db_path(store)))
+    try:
+        con.execute(f"CREATE TABLE profile ({_OLD_COLUMNS})")
+        con.execute(
+            "INSERT INTO profile VALUES ('m', 'e', 'a6000', 1, 1.0, 2, 2, 0.5, 0.5, 0.6, 0.7, "
+            "0.1, 100)"
+        )
+    finally:
+        con.close()
+
+
+def test_an_old_table_reads_as_replay_points_and_is_migrated_on_write(tmp_path: Path) -> None:
+    _old_table(tmp_path)
+    (old,) = load_points(tmp_path)
+    assert (old.source, old.observed_at, old.lat_mean) == ("replay", 0.0, 0.5)
+    fresh = ProfilePoint("m", "e", "a6000", 1, 0.5, 3, 3, 0.4, 0.4, 0.5, 0.6, 0.1, 40)
+    live = replace(fresh, source="live", observed_at=123.0)
+    save_points(tmp_path, [live])
+    got = load_points(tmp_path)
+    assert got == [live, old]  # by key: share 0.5 first
+    con = duckdb.connect(str(db_path(tmp_path)), read_only=True)
+    try:
+        cols = {r[1] for r in con.execute("PRAGMA table_info('profile')").fetchall()}
+    finally:
+        con.close()
+    assert {"source", "observed_at"} <= cols
