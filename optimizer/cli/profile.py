@@ -15,6 +15,12 @@ the wall rate where neither side spends more than ``--cpu-budget`` of a core: an
 short of CPU runs its clock late and reads pessimistic (each point reports that lag, from the
 emulator's own ``/metrics``). The run whose probe confirms the speed-up is the one swept, and
 its probe is the sweep's capacity estimate. ``--wall-rate`` sets that wall rate instead.
+
+Trust: each point's prefix-hit rate (where the engine reports cached tokens) is held against
+the trace's (``--hit-rate-tolerance``, :data:`optimizer.profiling.window.HIT_RATE_TOLERANCE`
+by default). A point past it measured a cache the workload did not have: it is printed as
+untrusted, not stored, and ``--export`` writes it under ``"untrusted"`` with both rates and the
+reason (``"points"`` holds what was stored, so the file still imports).
 """
 
 from __future__ import annotations
@@ -22,18 +28,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import aiohttp
 import duckdb
+import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -49,6 +57,7 @@ from shared.ports import free_port
 from shared.profile_points import ProfileError, ProfilePoint, export_json, import_json
 
 START_TIMEOUT_S = 60.0
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="import points from this profile file instead of measuring",
     )
     parser.add_argument("--export", type=Path, default=None, help="also write points as JSON")
+    parser.add_argument(
+        "--hit-rate-tolerance",
+        type=float,
+        default=window.HIT_RATE_TOLERANCE,
+        help="a point whose prefix-hit rate departs from the trace's by more than this "
+        f"(absolute) is not stored ({window.HIT_RATE_TOLERANCE:g}; 1 keeps every point)",
+    )
 
 
 # ---- engine sources ------------------------------------------------------------------------
@@ -373,6 +389,8 @@ class RichProgress:
         p = result.point
         note = f"  saturated: {result.saturated}" if result.saturated else ""
         lag = "" if result.clock_lag is None else f", clock lag {result.clock_lag:.1%}"
+        if result.hit_rate is not None:
+            lag += f", prefix hits {result.hit_rate:.0%}"
         self.console.print(
             f"  {self.label} offered {result.nominal_rate:.3g}/s (sent "
             f"{p.offered_rate:.3g}) -> {p.throughput:.3g}/s, p50 "
@@ -436,8 +454,52 @@ def _numbers(text: str, kind: type[int] | type[float], flag: str) -> list[float]
     return [float(v) for v in values]
 
 
+@dataclass(frozen=True)
+class Untrusted:
+    """A measured point not stored: its prefix-hit rate departed from the trace's."""
+
+    point: ProfilePoint
+    hit_rate: float | None
+    traced_hit_rate: float | None
+    reason: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "point": asdict(self.point),
+            "hit_rate": self.hit_rate,
+            "traced_hit_rate": self.traced_hit_rate,
+            "reason": self.reason,
+        }
+
+
+def trusted_points(
+    results: Sequence[PointResult], traced_hit_rate: float | None, tolerance: float
+) -> tuple[list[ProfilePoint], list[Untrusted]]:
+    """The points to store, and those whose prefix-hit rate departs from the trace's."""
+    kept: list[ProfilePoint] = []
+    dropped: list[Untrusted] = []
+    for r in results:
+        reason = window.hit_rate_departure(r.hit_rate, traced_hit_rate, tolerance)
+        if reason is None:
+            kept.append(r.point)
+        else:
+            dropped.append(Untrusted(r.point, r.hit_rate, traced_hit_rate, reason))
+    return kept, dropped
+
+
+def export_document(points: Sequence[ProfilePoint], untrusted: Sequence[Untrusted]) -> bytes:
+    """``--export``'s file: the stored points (importable), and the untrusted ones apart."""
+    doc = orjson.loads(export_json(points))
+    doc["untrusted"] = [u.to_json() for u in untrusted]
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+
+
 async def _measure(
-    args: argparse.Namespace, workload: Workload, console: Console, settings: SweepSettings
+    args: argparse.Namespace,
+    workload: Workload,
+    console: Console,
+    settings: SweepSettings,
+    untrusted: list[Untrusted],
 ) -> list[ProfilePoint]:
     tps = [int(v) for v in _numbers(args.tp, int, "--tp")]
     shares = _numbers(args.shares, float, "--shares")
@@ -497,14 +559,30 @@ async def _measure(
                 f"{max(lagging):.0%}: figures are pessimistic; lower --cpu-budget or "
                 "--speedup"
             )
-        mine = [r.point for r in result.points]
-        profiles.save_points(args.store, mine)
+        mine, dropped = trusted_points(
+            result.points, workload.traced_hit_rate, args.hit_rate_tolerance
+        )
+        for u in dropped:
+            log.warning(
+                "%s: point at %.3g calls/s not trusted: %s", tag, u.point.offered_rate, u.reason
+            )
+            console.print(
+                f"[yellow]{tag}: point at {u.point.offered_rate:.3g} calls/s not stored: {u.reason}"
+            )
+        if mine:
+            profiles.save_points(args.store, mine)
+        elif dropped:
+            console.print(f"[red]{tag}: no point trusted, nothing stored for this key")
         points.extend(mine)
+        untrusted.extend(dropped)
     return points
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(width=None if Console().is_terminal else 120)
+    untrusted: list[Untrusted] = []
+    if not 0 <= args.hit_rate_tolerance:
+        raise UsageError("--hit-rate-tolerance must not be negative")
     try:
         if args.from_json is not None:
             try:
@@ -535,8 +613,10 @@ def run(args: argparse.Namespace) -> int:
                     else ""
                 )
             )
+            if workload.traced_hit_rate is not None:
+                console.print(f"traced prefix-hit rate {workload.traced_hit_rate:.0%}")
             settings = QUICK if args.quick else SweepSettings()
-            points = asyncio.run(_measure(args, workload, console, settings))
+            points = asyncio.run(_measure(args, workload, console, settings, untrusted))
             engine = "emulated" if args.url is None else "measured"
             title = f"profile of {args.model} ({engine}, model time)"
     except ProfileRunError as exc:
@@ -546,5 +626,5 @@ def run(args: argparse.Namespace) -> int:
     for line in saturation_lines(points):
         console.print(line)
     if args.export is not None:
-        args.export.write_bytes(export_json(points))
+        args.export.write_bytes(export_document(points, untrusted))
     return 0

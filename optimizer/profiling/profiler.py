@@ -15,6 +15,10 @@ Invariants:
   multiplied by ``speedup`` (a real engine has speedup 1);
 - a call is sent only once the calls it depends on (same request, ended before it started in
   the trace) have finished;
+- an engine is never sent a prompt it was sent before in this profile (each replay of a
+  request is tagged apart, :class:`Replayer`), so its prefix cache holds what the traced
+  workload's would, not the earlier passes; each point reports the prefix-hit rate its calls
+  met (``PointResult.hit_rate``) for the caller to hold against the trace's;
 - throughput counts calls completed inside the steady window, offered rate the calls sent
   inside it (both with tapered edges), latencies the calls sent inside it; the window starts
   once the send rate is steady and the queue has filled (both measured), and a point whose
@@ -40,15 +44,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
 import numpy as np
+import orjson
 
 from optimizer.model.curves import FOLLOW_TOLERANCE
-from optimizer.profiling.replay import Workload, schedule
+from optimizer.profiling.replay import Workload, schedule, tagged_body
 from optimizer.profiling.window import (
     CLIENT_LATE,
     MAX_WARMUP,
@@ -59,6 +65,7 @@ from optimizer.profiling.window import (
     clock_lag,
     fill_time,
     follow_error,
+    hit_rate,
     next_rate,
     saturation_reason,
     send_span,
@@ -85,6 +92,7 @@ class PointResult:
     client_bound: bool = False  # the client sent late: what the engine could do is unknown
     settle: float = 0.0  # model s until the groups of the point's first half sent their last call
     follow_error: float = 0.0  # standard error of throughput / offered (see follow_error)
+    hit_rate: float | None = None  # prefix-hit rate of the window's calls (None: not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,21 +114,43 @@ class Progress(Protocol):
 
 
 class Replayer:
-    """Sends a workload's calls to one target over one session, honouring dependencies."""
+    """Sends a workload's calls to one target over one session, honouring dependencies.
+
+    Every send is tagged (:func:`optimizer.profiling.replay.tagged_body`) with this
+    replayer's salt (random: two replayers, or two profiles of one engine, never share a
+    tag) and the replay's number: the calls of one replay of a group share their tag, and a
+    call is never sent twice with one tag, so the engine never sees a prompt it was sent
+    before in this profile. Each call's usage, where the engine reports it, gives the
+    prefix-hit rate the replay met."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, target: Target, workload: Workload, timeout_s: float
+        self,
+        session: aiohttp.ClientSession,
+        target: Target,
+        workload: Workload,
+        timeout_s: float,
+        salt: str | None = None,
     ) -> None:
         self.session = session
         self.target = target
         self.workload = workload
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.salt = secrets.token_hex(4) if salt is None else salt
+        self.replays = [0] * len(workload.calls)  # per call: the next replay's number
         self.in_flight = 0
         self.sent = 0  # calls sent so far
         self.sends: list[float] = []  # their send times (wall), kept when a call is cut short
 
-    async def call(self, index: int) -> CallTiming:
+    def body(self, index: int, replay: int | None = None) -> bytes:
+        """The body of call ``index``'s replay number ``replay`` (default: its next one);
+        the call's later replays get higher numbers."""
+        n = self.replays[index] if replay is None else replay
+        self.replays[index] = max(self.replays[index], n + 1)
+        return tagged_body(self.workload.calls[index], f"{self.salt}.{n}")
+
+    async def call(self, index: int, replay: int | None = None) -> CallTiming:
         c = self.workload.calls[index]
+        body = self.body(index, replay)
         loop = asyncio.get_running_loop()
         sent = loop.time()
         first = sent
@@ -130,7 +160,7 @@ class Replayer:
         try:
             async with self.session.post(
                 self.target.url + c.endpoint,
-                data=c.body,
+                data=body,
                 timeout=self.timeout,
                 headers={"Content-Type": "application/json"},
             ) as resp:
@@ -141,13 +171,17 @@ class Replayer:
                     )
                 if c.stream:
                     got_first = False
-                    async for _ in resp.content.iter_any():
+                    tail = b""  # the stream's end, where its usage event is
+                    async for chunk in resp.content.iter_any():
                         if not got_first:
                             first, got_first = loop.time(), True
+                        tail = (tail + chunk)[-_USAGE_TAIL:]
+                    data = tail
                 else:
-                    await resp.read()
+                    data = await resp.read()
                 end = loop.time()
-                return CallTiming(sent, first if c.stream else end, end, True)
+                prompt, cached = usage_tokens(data, c.stream)
+                return CallTiming(sent, first if c.stream else end, end, True, None, prompt, cached)
         except (aiohttp.ClientError, TimeoutError) as exc:
             now = loop.time()
             return CallTiming(sent, now, now, False, f"{type(exc).__name__}: {exc}")
@@ -156,8 +190,14 @@ class Replayer:
 
     async def group(self, g: int, out: list[CallTiming], marks: list[float] | None = None) -> None:
         """Run one request group: each call starts once its dependencies ended. ``marks``
-        gets the group's start time, then each call's send time as it is sent."""
+        gets the group's start time, then each call's send time as it is sent. Every call
+        of this replay of the group carries one replay number, higher than any its calls
+        were sent with (claimed now: a replay of the group that starts meanwhile gets the
+        next)."""
         members = self.workload.groups[g]
+        replay = max(self.replays[i] for i in members)
+        for i in members:
+            self.replays[i] = replay + 1
         done = {i: asyncio.Event() for i in members}
         loop = asyncio.get_running_loop()
         if marks is not None:
@@ -169,11 +209,42 @@ class Replayer:
             if marks is not None:
                 marks.append(loop.time())
             try:
-                out.append(await self.call(i))
+                out.append(await self.call(i, replay))
             finally:
                 done[i].set()
 
         await asyncio.gather(*(one(i) for i in members))
+
+
+_USAGE_TAIL = 4096  # bytes of a stream's end kept: its usage event and [DONE]
+
+
+def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None]:
+    """(prompt tokens, cached prompt tokens) from a response body, or a stream's last bytes
+    (its last event that carries usage); None where the engine did not report them."""
+    doc: object = None
+    try:
+        if not stream:
+            doc = orjson.loads(data)
+        else:
+            at = data.rfind(b'"usage"')
+            if at < 0:
+                return None, None
+            start = data.rfind(b"data:", 0, at)
+            stop = data.find(b"\n", at)
+            doc = orjson.loads(data[start + 5 : stop if stop >= 0 else len(data)])
+    except orjson.JSONDecodeError:
+        return None, None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return None, None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (
+        prompt if isinstance(prompt, int) else None,
+        cached if isinstance(cached, int) else None,
+    )
 
 
 async def probe(rep: Replayer, settings: SweepSettings) -> float:
@@ -361,6 +432,7 @@ async def run_point(
         client_bound,
         span * k,
         error,
+        hit_rate(timings, window),
     )
     if progress is not None:
         progress.point_finished(index, result)

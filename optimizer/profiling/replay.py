@@ -23,13 +23,20 @@ Invariants:
   that many tokens (``max_tokens`` + vLLM's ``ignore_eos``), so the engine does the traced
   amount of work rather than drawing its own lengths;
 - the schedule draws groups as shuffled passes over the workload (every group once per pass),
-  so the replayed mix matches the trace's even over short runs.
+  so the replayed mix matches the trace's even over short runs;
+- a profile replays the trace several times, and an engine that was sent a prompt before
+  answers it from its prefix cache (a profile then measures a warm cache, not the workload):
+  :func:`tagged_body` puts a tag at the very start of a generate call's prompt (the first
+  chat message's text, or the completion prompt), the same for every call of one replay of a
+  request (their shared prefixes stay shared) and never the same for two replays of one call
+  (the replayer's tags, :mod:`optimizer.profiling.profiler`). ``traced_hit_rate`` is the
+  trace's own prefix-hit rate (cached over prompt tokens), what a replay should come near.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,9 @@ import orjson
 from shared.store import StoreReader
 
 GENERATE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# the tag opens the prompt: an engine caches whole blocks of 16 tokens or so, and the chat
+# template's few tokens before the first message's text never fill one
+TAG_FORMAT = "[replay {}] "
 _COLUMNS = (
     "call_id",
     "request_id",
@@ -81,6 +91,9 @@ class Workload:
     skipped: int  # logical calls left out (failed, no body)
     depth: float  # mean over groups of the longest dependency chain (calls)
     max_depth: int = 1  # the longest chain of any group: how long a group keeps sending
+    # Σ cached / Σ prompt tokens over the traced calls whose engine reported both (None: none
+    # did): the prefix-cache hit rate the workload had live
+    traced_hit_rate: float | None = None
 
     @property
     def calls_per_group(self) -> float:
@@ -138,6 +151,39 @@ def _prepared_body(row: _Row, served_model: str, force_lengths: bool) -> bytes:
         doc.pop("max_completion_tokens", None)
         doc["max_tokens"] = max(1, round(row.completion_tokens / n))
         doc["ignore_eos"] = True
+    return orjson.dumps(doc)
+
+
+def tagged_body(call: ReplayCall, tag: str) -> bytes:
+    """``call``'s body with ``TAG_FORMAT.format(tag)`` opening its prompt: the first chat
+    message's text (or a text part before its parts), or each text prompt of a completion.
+    Token-id prompts, and other endpoints (embeddings, scoring: no prefix cache), are sent
+    untagged. A stream asks for its usage (``stream_options.include_usage``): the replayer
+    reads the cached tokens from it."""
+    if call.endpoint not in GENERATE_ENDPOINTS:
+        return call.body
+    doc: Any = orjson.loads(call.body)
+    text = TAG_FORMAT.format(tag)
+    messages, prompt = doc.get("messages"), doc.get("prompt")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        first = messages[0]
+        content = first.get("content")
+        if isinstance(content, str):
+            first["content"] = text + content
+        elif isinstance(content, list):
+            first["content"] = [{"type": "text", "text": text}, *content]
+        elif content is None:
+            first["content"] = text
+    elif isinstance(prompt, str):
+        doc["prompt"] = text + prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        doc["prompt"] = [text + p for p in prompt]
+    if doc.get("stream") is True:  # a stream reports usage (the hit rate) only when asked
+        options = doc.get("stream_options")
+        doc["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
+        }
     return orjson.dumps(doc)
 
 
@@ -214,19 +260,31 @@ def build_workload(
 def load_workload(
     store: str | Path, model: str, *, served_model: str | None = None, force_lengths: bool = True
 ) -> Workload:
-    """Read ``model``'s calls from the store and build its workload (ReplayError if none)."""
+    """Read ``model``'s calls from the store and build its workload (ReplayError if none),
+    with the trace's prefix-hit rate."""
     reader = StoreReader(store)
+    mine = f"model = {_quote(model)}"
     try:
-        rows = reader.read(
+        rows = reader.read(lambda calls: calls.filter(mine).select(", ".join(_COLUMNS)).fetchall())
+        tokens = reader.read(
             lambda calls: (
-                calls.filter(f"model = {_quote(model)}").select(", ".join(_COLUMNS)).fetchall()
+                calls.filter(
+                    f"{mine} AND status BETWEEN 200 AND 299 AND t_end IS NOT NULL "
+                    "AND cached_tokens IS NOT NULL AND prompt_tokens > 0"
+                )
+                .aggregate("sum(cached_tokens)::DOUBLE, sum(prompt_tokens)::DOUBLE")
+                .fetchall()
             )
         )
     finally:
         reader.close()
     if not rows:
         raise ReplayError(f"no calls of model {model!r} recorded in the store {store}")
-    return build_workload(model, rows, served_model=served_model, force_lengths=force_lengths)
+    wl = build_workload(model, rows, served_model=served_model, force_lengths=force_lengths)
+    cached, prompt = tokens[0] if tokens else (None, None)
+    if cached is None or not prompt:
+        return wl
+    return replace(wl, traced_hit_rate=min(1.0, max(0.0, float(cached) / float(prompt))))
 
 
 def _quote(text: str) -> str:

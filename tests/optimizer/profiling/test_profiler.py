@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -92,7 +93,7 @@ async def fake_engine() -> AsyncIterator[tuple[str, list[tuple[str, float, float
         start = loop.time()
         async with slots:
             await asyncio.sleep(SERVICE_S)
-        log.append((body["messages"][0]["content"], start, loop.time()))
+        log.append((untagged(body["messages"][0]["content"]), start, loop.time()))
         return web.json_response({"choices": [{"message": {"content": "ok"}}]})
 
     app = web.Application()
@@ -105,6 +106,11 @@ async def fake_engine() -> AsyncIterator[tuple[str, list[tuple[str, float, float
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", log
     finally:
         await runner.cleanup()
+
+
+def untagged(text: str) -> str:
+    """A replayed prompt without the replayer's tag."""
+    return re.sub(r"^\[replay [0-9a-f]+\.\d+\] ", "", text)
 
 
 SMALL = SweepSettings(
