@@ -1,8 +1,9 @@
 """``scepsy stats``: workflow statistics as a rich table or as JSON.
 
 Role: the presentation edge of :mod:`optimizer.stats.figures` (which stays pure). The window ends at the
-last recorded call, so a store recorded earlier still reads as "the last 15 minutes of traffic";
-``--window all`` takes everything.
+last recorded call, so a store recorded earlier still reads as "the last 15 minutes of traffic",
+and never starts before the first recorded call (a 3-minute store read with ``--window 15m``
+has its arrivals divided by 3 minutes, not 15); ``--window all`` takes everything.
 
 JSON shape (stable; more keys may be added)::
 
@@ -151,6 +152,9 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
 
 
 def _window(store: Path, text: str) -> Window:
+    """The ``--window`` ending at the last recorded call, never reaching back before the first
+    one (as the daemon's, ``optimizer.daemon.service.window_stats``): a store shorter than the
+    window divides its arrivals by the time it covers, not by the window's length."""
     if text.strip().lower() == "all":
         return Window()
     length_us = round(parse_duration_s(text) * 1e6)
@@ -159,14 +163,14 @@ def _window(store: Path, text: str) -> Window:
     reader = StoreReader(store)
     try:
         rows = reader.read(
-            lambda calls: calls.aggregate("max(coalesce(t_end, t_start))").fetchall()
+            lambda calls: calls.aggregate("min(t_start), max(coalesce(t_end, t_start))").fetchall()
         )
     finally:
         reader.close()
-    if not rows or rows[0][0] is None:
+    if not rows or rows[0][1] is None:
         return Window()
-    end = int(rows[0][0]) + 1
-    return Window(t_from_us=end - length_us, t_to_us=end)
+    first, end = int(rows[0][0]), int(rows[0][1]) + 1
+    return Window(t_from_us=max(end - length_us, first), t_to_us=end)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,3 +87,20 @@ def test_parse_duration() -> None:
     assert parse_duration_s("1.5") == 1.5
     with pytest.raises(UsageError):
         parse_duration_s("-3s")
+
+
+def test_stats_window_never_reaches_back_before_the_first_call(
+    write_store: Callable[[list[Row]], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a 3-minute store, one request a second: a 15-minute window reads 1/s, not 0.2/s
+    store = write_store([call("agent", f"r{i}", "m", 1000.0 + i, 1000.5 + i) for i in range(180)])
+    assert main(["stats", "--store", str(store), "--window", "15m", "--json"]) == 0
+    agent = orjson.loads(capsys.readouterr().out)["workflows"]["agent"]
+    assert agent["requests"] == 180
+    assert agent["window_s"] == pytest.approx(179.5, abs=0.01)
+    assert agent["arrival_rate"] == pytest.approx(180 / 179.5, rel=1e-3)
+    # a window shorter than the store still ends at the last call and spans its length
+    assert main(["stats", "--store", str(store), "--window", "1m", "--json"]) == 0
+    agent = orjson.loads(capsys.readouterr().out)["workflows"]["agent"]
+    assert agent["window_s"] == pytest.approx(60.0, abs=0.01)
+    assert agent["arrival_rate"] == pytest.approx(1.0, rel=0.02)
