@@ -58,6 +58,8 @@ OPTIMIZER_SEARCH_DURATION = "scepsy_optimizer_search_duration_seconds"  # histog
 OPTIMIZER_DECISIONS = "scepsy_optimizer_decisions_total"  # code: the decision's reason
 # Trace-store segments the readers skip as unreadable (truncated, corrupt): a gauge.
 OPTIMIZER_UNREADABLE_SEGMENTS = "scepsy_optimizer_store_unreadable_segments"
+# Live profile points (learned from the replicas' traffic) the profile book holds (model).
+OPTIMIZER_LIVE_PROFILE_POINTS = "scepsy_optimizer_live_profile_points"
 
 OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_WORKFLOW_RATE,
@@ -72,4 +74,5 @@ OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_SEARCH_DURATION,
     OPTIMIZER_DECISIONS,
     OPTIMIZER_UNREADABLE_SEGMENTS,
+    OPTIMIZER_LIVE_PROFILE_POINTS,
 )

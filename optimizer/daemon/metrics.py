@@ -4,7 +4,8 @@ Role: what the daemon learned and decided, as gauges the Grafana dashboard in ``
 queries: per workflow the arrival rate, observed and predicted latency; per (workflow, model)
 ``n_m`` and ``p_m``; per model the replicas and GPU-equivalents allocated; counters of
 decisions (``code`` = the decision's kind) and rollouts (``code`` = ok / failed); histograms of
-search and rollout time; the store's segments the readers skip as unreadable.
+search and rollout time; the store's segments the readers skip as unreadable; per model the
+live profile points the profile book holds (learned from what the replicas served).
 
 Invariants: the registry belongs to one :class:`DaemonMetrics` (tests and demos may run several
 daemons in one process); gauges describing the current state are cleared before each update,
@@ -95,6 +96,18 @@ class DaemonMetrics:
             "named in a warning)",
             registry=r,
         )
+        self.live_points = Gauge(
+            names.OPTIMIZER_LIVE_PROFILE_POINTS,
+            "Live profile points (observed from the replicas' traffic) the profile book holds",
+            ["model"],
+            registry=r,
+        )
+
+    def observe_live_points(self, counts: Mapping[str, int]) -> None:
+        """Per model, the live profile points the book blends into its curves."""
+        self.live_points.clear()
+        for model, n in counts.items():
+            self.live_points.labels(model).set(n)
 
     def observe_stats(self, stats: Mapping[str, WorkflowStats]) -> None:
         for gauge in (self.rate, self.observed, self.calls, self.parallelism):

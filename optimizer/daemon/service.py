@@ -1,7 +1,9 @@
 """The optimizer daemon: the control loop of DESIGN §3.8, with /health and /metrics.
 
 Role: every ``optimizer.interval_s`` one pass, :meth:`Daemon.tick`: **read** (statistics of the
-last window from the store, in a thread; what the backend observes; the stored profiles) →
+last window from the store and what each replica did in it, in a thread; what the backend
+observes; live profile points derived from the replicas' loads, :mod:`optimizer.model.live`, and
+saved; the stored profiles, replayed curves corrected by live points) →
 **step** (:func:`optimizer.control.step.step`, pure, in a thread: detect a change, and on a
 confirmed one search, place, plan and judge) → **execute** (a taken decision is rolled out
 through the backend, :func:`optimizer.rollout.backend.execute`) → **record** (one row in the
@@ -14,8 +16,12 @@ Invariants:
 - one event loop; DuckDB reads and writes and the step (the search) run in worker threads;
 - the first pass observes the backend, which adopts engines already running: a restarted daemon
   re-plans from what runs and starts nothing twice (the executor is resumable);
-- profiles are read from the store as they are (``scepsy profile`` writes them); a model
-  without a profile makes the pass an ``error`` decision naming it, and nothing is rolled out;
+- profiles are read from the store as they are (``scepsy profile`` writes them, the daemon adds
+  live points each pass); a model without a replayed profile makes the pass an ``error``
+  decision naming it, and nothing is rolled out (live points alone make no curve);
+- a replica's load becomes a live point only if it passes :func:`optimizer.model.live.verdict`;
+  "running since the window began" is when this daemon first observed the replica ready, so a
+  restarted daemon learns nothing from its first window;
 - the window never reaches back before the first recorded call, so a fresh store does not read
   as a low rate; it ends ``settle_s`` early for completions (see :class:`optimizer.stats.figures.Window`);
 - the step refuses a plan that leaves a served model without a replica (after re-trying other
@@ -50,6 +56,7 @@ from optimizer.control.decide import Decision, DetectorState, Proposal
 from optimizer.control.proposal import Running, allocation_doc, cluster_without, running_doc
 from optimizer.control.step import RECENT_S, ControlState, StepInput, StepOutput
 from optimizer.daemon.metrics import DaemonMetrics
+from optimizer.model import live
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
 from optimizer.plan.planner import Observed, Plan
@@ -57,10 +64,13 @@ from optimizer.rollout.backend import Backend, execute
 from optimizer.search.solve import SearchResult
 from optimizer.stats.figures import Window, WorkflowStats
 from optimizer.stats.reader import summarise_store
+from optimizer.stats.replica_load import ReplicaLoad
+from optimizer.stats.replicas import replica_loads_store
 from optimizer.store import decisions, profiles
 from optimizer.store.decisions import DecisionRow
 from shared.cluster import cluster_from_settings
 from shared.optimizer_settings import OptimizerSettings
+from shared.profile_points import ProfilePoint
 from shared.settings import Settings
 from shared.store import StoreReader, unreadable_segments
 
@@ -86,6 +96,7 @@ class TickReport:
     search_s: float | None = None
     rollout_s: float | None = None
     proposal: Proposal | None = None
+    live_points: tuple[ProfilePoint, ...] = ()  # live profile points this pass saved
 
 
 def first_call_us(store: str) -> int | None:
@@ -124,6 +135,19 @@ def window_stats(
     return summarise_store(store, window), span_s - cfg.settle_s
 
 
+def replica_window(
+    now: float, cfg: OptimizerSettings, data_start_us: int | None
+) -> tuple[int, int] | None:
+    """The statistics window of :func:`window_stats` as ``[from, to)`` µs for the replicas'
+    loads (ending ``settle_s`` early, as completions do); ``None`` when it is empty."""
+    if data_start_us is None:
+        return None
+    now_us = round(now * US)
+    lo = max(now_us - round(cfg.window_s * US), data_start_us)
+    hi = now_us - round(cfg.settle_s * US)
+    return (lo, hi) if hi > lo else None
+
+
 @dataclass(frozen=True)
 class _Read:
     """What a pass read: the window's statistics and length, the models called lately."""
@@ -131,6 +155,7 @@ class _Read:
     stats: dict[str, WorkflowStats]
     window_s: float
     recent_models: frozenset[str]
+    loads: tuple[ReplicaLoad, ...] = ()  # what each replica did in the window
 
 
 @dataclass
@@ -152,6 +177,7 @@ class Daemon:
     started: float | None = None  # monotonic, when run() began
     _data_start_us: int | None = None
     _book_cache: tuple[int | None, ProfileBook] | None = None
+    _seen_since: dict[str, float] = field(default_factory=dict)  # replica URL -> first seen ready
 
     def __post_init__(self) -> None:
         self.cfg = self.settings.optimizer
@@ -160,6 +186,7 @@ class Daemon:
         # section or reserve_gpus fails the daemon's start instead of every pass
         self.cluster = cluster_from_settings(self.settings.cluster)
         self.search_cluster = cluster_without(self.cluster, self.cfg.reserve_gpus)
+        self.gpu_types = {n.name: n.gpus[0].type for n in self.cluster.nodes if n.gpus}
 
     @property
     def state(self) -> DetectorState:
@@ -173,7 +200,12 @@ class Daemon:
         self.metrics.observe_stats(read.stats)
         observed = await self.backend.observe()
         self._observe_allocation(observed)
+        self._note_replicas(observed, now)
+        learned = await self._learn(read.loads, observed)
         book = await self._book()
+        self.metrics.observe_live_points(
+            {m: sum(len(v) for k, v in book.live.items() if k.model == m) for m in _models(book)}
+        )
         inp = StepInput(
             self.control,
             read.stats,
@@ -199,6 +231,7 @@ class Daemon:
             out.plan,
             search_s=out.search_s,
             proposal=out.proposal,
+            live_points=learned,
         )
         report = await self._execute(out, report)
         await self._record(report)
@@ -216,7 +249,9 @@ class Daemon:
         try:
             stats, span = self._read_window(now)
             recent = recent_models(self.store, round((now - RECENT_S) * US))
-            return _Read(stats, span, frozenset(recent))
+            bounds = replica_window(now, self.cfg, self._data_start_us)
+            loads = () if bounds is None else tuple(replica_loads_store(self.store, *bounds))
+            return _Read(stats, span, frozenset(recent), loads)
         finally:  # what the readers skipped, this pass (a bad segment never fails a pass)
             self.metrics.unreadable_segments.set(len(unreadable_segments(self.store)))
 
@@ -247,6 +282,34 @@ class Daemon:
         self.metrics.rollout_time.observe(rollout_s)
         self.control = out.after_rollout(self.clock(), ok)
         return replace(report, outcome=outcome, rollout_s=rollout_s)
+
+    def _note_replicas(self, observed: Observed, now: float) -> None:
+        """Remember when each ready replica (by URL) was first seen; forget the others."""
+        ready = {r.url for r in observed.replicas if r.ready}
+        self._seen_since = {u: self._seen_since.get(u, now) for u in sorted(ready)}
+
+    async def _learn(
+        self, loads: tuple[ReplicaLoad, ...], observed: Observed
+    ) -> tuple[ProfilePoint, ...]:
+        """The window's trusted replica loads as live profile points, saved to the store."""
+        if not loads:
+            return ()
+        replayed = sorted((await self._book()).profiles)
+        engines: dict[str, str] = {}
+        for key in replayed:  # the engine of the model's replayed profile (first by key)
+            engines.setdefault(key.model, key.engine)
+        points = live.live_points(
+            loads,
+            observed.replicas,
+            self._seen_since,
+            self.gpu_types,
+            engines,
+            self.cfg.window_s / 2,
+        )
+        if points:
+            await profiles.save_points_async(self.store, points)
+            self._book_cache = None  # re-read, whatever the file's time stamp says
+        return tuple(points)
 
     async def _book(self) -> ProfileBook:
         """The stored profiles, re-read only when the database file changed."""
@@ -365,6 +428,10 @@ def _log_decision(report: TickReport) -> None:
             "gain": _num(d.gain),
         },
     )
+
+
+def _models(book: ProfileBook) -> list[str]:
+    return sorted({k.model for k in book.profiles} | {k.model for k in book.live})
 
 
 def _num(x: float | None) -> float | None:

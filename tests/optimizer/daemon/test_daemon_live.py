@@ -1,0 +1,102 @@
+"""A daemon pass learns live profile points from a replica's traffic and blends them in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from optimizer.daemon.service import Daemon
+from optimizer.plan.planner import RunningReplica
+from optimizer.store.profiles import load_points
+from shared.records import CallRecord
+from shared.store import SegmentWriter
+from tests.optimizer.daemon.test_daemon import T0, FakeBackend, FakeClock, _profiles, _settings
+
+S = 1_000_000
+URL = "http://fake/llama-0"
+
+
+def _traffic(store: Path, seconds: float, rate: float = 2.0, latency: float = 0.5) -> None:
+    """``rate`` llama-3-8b calls/s served by the replica at ``URL``, ``latency`` s each."""
+    rows = []
+    n = int(seconds * rate)
+    for i in range(n):
+        t = T0 + i / rate
+        rows.append(
+            CallRecord(
+                call_id=f"c{i}",
+                proxy_id="test",
+                workflow="chat",
+                request_id=f"q{i}",
+                model="llama-3-8b",
+                endpoint="/v1/chat/completions",
+                upstream=URL,
+                status=200,
+                t_start=round(t * S),
+                t_first_byte=round((t + 0.1) * S),
+                t_end=round((t + latency) * S),
+                prompt_tokens=10,
+                completion_tokens=5,
+            ).row()
+        )
+    writer = SegmentWriter(store, "live")
+    try:
+        writer.write(rows)
+    finally:
+        writer.close()
+
+
+def _backend() -> FakeBackend:
+    backend = FakeBackend()
+    backend.replicas["llama-0"] = RunningReplica(
+        "llama-0", "g0", "llama-3-8b", "n0", (0,), 1.0, 1, URL, True
+    )
+    return backend
+
+
+@pytest.mark.timeout(60)
+async def test_a_pass_saves_live_points_of_a_replica_running_the_whole_window(
+    tmp_path: Path,
+) -> None:
+    _profiles(tmp_path)
+    _traffic(tmp_path, 200.0)
+    clock = FakeClock(T0 + 100)
+    daemon = Daemon(_settings(tmp_path, apply=False), _backend(), clock=clock)
+    before = (await daemon._book()).lookup("llama-3-8b", 1, 1.0)
+    first = await daemon.tick()  # the replica is seen for the first time: nothing learned
+    assert first.live_points == ()
+    clock.t += 20
+    assert (await daemon.tick()).live_points == ()  # its window began before it was seen
+    clock.t += 20
+    report = await daemon.tick()
+    (point,) = report.live_points
+    assert (point.model, point.engine, point.gpu_type, point.tp, point.share) == (
+        "llama-3-8b",
+        "emulator",
+        "a6000",
+        1,
+        1.0,
+    )
+    assert point.source == "live" and point.lat_mean == pytest.approx(0.5)
+    assert point.throughput == pytest.approx(2.0, rel=0.05)
+    assert point.observed_at == pytest.approx(clock.t - 3)  # settle_s early
+    stored = [p for p in load_points(tmp_path) if p.source == "live"]
+    assert stored == [point]
+    after = (await daemon._book()).lookup("llama-3-8b", 1, 1.0)
+    assert after.corrected_by == 1 and before.corrected_by == 0
+    assert after.latency(2.0) == pytest.approx(0.5)
+    text = daemon.metrics.exposition().decode()
+    assert 'scepsy_optimizer_live_profile_points{model="llama-3-8b"} 1.0' in text
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_with_too_few_calls_teaches_nothing(tmp_path: Path) -> None:
+    _profiles(tmp_path)
+    _traffic(tmp_path, 200.0, rate=0.4)  # 16 calls a 40 s window: too few to trust
+    clock = FakeClock(T0 + 100)
+    daemon = Daemon(_settings(tmp_path, apply=False), _backend(), clock=clock)
+    for _ in range(4):
+        assert (await daemon.tick()).live_points == ()
+        clock.t += 20
+    assert [p for p in load_points(tmp_path) if p.source == "live"] == []
