@@ -3,8 +3,9 @@
 Role: from what the demo collected (the daemon's passes, its decision log, the load drivers'
 reports, the phases' times), build the JSON document (:func:`report_doc`) and write it with a
 markdown page and its plots (:func:`write_report`): arrival rates and rollouts over time,
-predicted vs observed latency per workflow, and the GPU share per model before and after the
-shift.
+predicted vs observed latency per workflow, the GPU share per model before and after the
+shift, and per model how many profile points came from simulated replay and how many the daemon
+learned from live traffic (and whether they corrected its curves).
 
 Invariants: ``report.json`` has at least ``rollouts``, ``failed_requests``, ``allocations``,
 ``predicted_vs_observed`` and ``problems`` (:func:`problems`: why the run showed less than the
@@ -24,6 +25,8 @@ from typing import Any
 import orjson
 
 from optimizer.daemon.service import TickReport
+from optimizer.model.curves import ProfileBook
+from shared.profile_points import ProfileError, ProfilePoint
 
 __all__ = ["Pass", "problems", "report_doc", "write_report"]
 
@@ -70,8 +73,10 @@ def report_doc(
     timeline: Mapping[str, float],
     settings_doc: Mapping[str, Any],
     t0_wall: float,
+    points: Sequence[ProfilePoint] = (),
 ) -> dict[str, Any]:
-    """``Pass.t`` is when the pass started, in seconds since the demo started."""
+    """``Pass.t`` is when the pass started, in seconds since the demo started; ``points``: the
+    profile points stored at the end (replayed and live)."""
     shift = timeline.get("shift", math.inf)
     rollouts: list[dict[str, Any]] = []
     # When each allocation took effect: the bootstrap, then every rollout that succeeded.
@@ -160,6 +165,7 @@ def report_doc(
         "allocations": allocations,
         "predicted_vs_observed": pvo,
         "decisions": kinds,
+        "profile_points": profile_sources(points),
         "timeline_s": dict(timeline),
         "started_at_epoch_s": t0_wall,
         "load": list(loads),
@@ -172,6 +178,24 @@ def report_doc(
     }
     doc["problems"] = problems(doc)
     return doc
+
+
+def profile_sources(points: Sequence[ProfilePoint]) -> dict[str, dict[str, Any]]:
+    """Per model: points from replay and from live traffic, and the keys (``tp``/``share``)
+    whose curve live points corrected."""
+    book = ProfileBook(points)
+    out: dict[str, dict[str, Any]] = {}
+    for p in points:
+        entry = out.setdefault(p.model, {"replay": 0, "live": 0, "corrected": []})
+        entry["live" if p.source == "live" else "replay"] += 1
+    for key in book.live:
+        try:
+            prof = book.lookup(key.model, key.tp, key.share, key.engine, key.gpu_type)
+        except ProfileError:  # live points of a model with no replayed curve correct nothing
+            continue
+        if prof.corrected_by:
+            out[key.model]["corrected"].append(f"tp{key.tp}/{key.share:g}")
+    return dict(sorted(out.items()))
 
 
 def _plots(doc: Mapping[str, Any], passes: Sequence[Pass], out: Path) -> list[str]:
@@ -278,6 +302,16 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
                     lines.append(f"| {w} | {m} | {a['replicas']} | {a['tp']} | {a['share']} |")
             lines.append("")
         lines += ["```", *r["plan"], "```", ""]
+    lines += [
+        "## Profile points: replay vs live",
+        "",
+        "| model | from simulated replay | from live traffic | curves corrected (tp/share) |",
+        "|---|---|---|---|",
+    ]
+    for model, n in doc.get("profile_points", {}).items():
+        fixed = ", ".join(n["corrected"]) or "no"
+        lines.append(f"| {model} | {n['replay']} | {n['live']} | {fixed} |")
+    lines.append("")
     lines += [
         "## Predicted vs observed mean latency (windows that start after the allocation took effect)",
         "",

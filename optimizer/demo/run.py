@@ -58,7 +58,7 @@ from optimizer.plan import planner
 from optimizer.rollout.backend import converge
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.store.decisions import load_decisions
-from optimizer.store.profiles import save_points
+from optimizer.store.profiles import load_points, save_points
 from shared.cluster import cluster_from_settings
 from shared.ports import free_port
 from shared.profile_points import import_json
@@ -474,7 +474,8 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
             show()
         decisions = load_decisions(settings.store.path)
         timeline["total"] = time.monotonic() - t0
-        report = report_doc(passes, decisions, reports, timeline, doc, t0_wall)
+        points = load_points(settings.store.path)
+        report = report_doc(passes, decisions, reports, timeline, doc, t0_wall, points)
         write_report(out, report, passes)
         return report
     finally:
