@@ -117,6 +117,12 @@ def _table(stats: dict[str, WorkflowStats]) -> tuple[Table, list[str]]:
                 f"of requests ≤ {s.threshold:.2f} (cluster means {s.low_mean:.2f} / "
                 f"{s.high_mean:.2f}); consider modelling it as two workflows"
             )
+        if wf.tool_time_after_fanout_mean > 0:
+            notes.append(
+                f"{name}: {wf.tool_time_after_fanout_mean:.3f} s of the tool time per request "
+                "follows calls that ran at once (a tool beside a fan-out that outlasted it; "
+                "tool time hidden beside calls is not in the records)"
+            )
         for (a, b), together in wf.overlaps.items():
             notes.append(f"{name}: {a} and {b} run at once {together:.3f} s per request")
         table.add_row(

@@ -14,6 +14,13 @@ Pipeline scales with load (:mod:`optimizer.model.alp`); and the gaps inside a re
 no call covers give the non-LLM ``tool_time``. A workflow whose requests split into two
 populations by share is flagged (``bimodal``).
 
+Tool time beside calls: the records hold LLM calls only, so what an app does while its calls
+run (a search beside a fan-out) is in no figure here. Only the part of such a tool that
+outlasts the calls shows: a gap right after calls that ran at once, ``tool_time_after_fanout``
+(part of ``tool_time``; a tool run after the join leaves the same gap). The ALP adds all of
+``tool_time`` as a fixed stage: exact at the traced load, an upper bound under load (longer
+calls absorb a tool that ran beside them).
+
 Data flow: :mod:`optimizer.stats.scan` groups the store's calls in DuckDB (retry
 de-duplication, per request sums) and hands back compact arrays, with the calls of a hash
 sample of each workflow's requests (every request unless there are more than about
@@ -144,6 +151,8 @@ class WorkflowStats:
     # overlap are absent. Σ of the per-model unions less these is the critical path when
     # no three models run at once.
     overlaps: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    # Of tool_time_mean, the uncovered time right after calls that ran at once (module docstring)
+    tool_time_after_fanout_mean: float = 0.0
 
 
 def _cv(mean: float, mean_sq: float) -> float:
@@ -184,6 +193,10 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
     sum_span, sum_span_sq = per_wf(span, req_wf), per_wf(span * span, req_wf)
     sum_u_all, sum_u_sum = per_wf(u_all.astype(np.float64), smp_wf), per_wf(u_sum, smp_wf)
     sum_tool = per_wf(got.smp_span - u_all, smp_wf)
+    after_fanout = _gaps_after_fanouts(
+        got.call_a, got.call_b, request_starts(got.call_a, got.smp_off)
+    )
+    sum_after_fanout = per_wf(after_fanout, smp_wf)
     shares = _shares(got, useg)
     # Σ over the sample of each (workflow, model) pair's per-request union (µs)
     pair_union = np.bincount(useg.pair, weights=useg.union, minlength=len(got.pairs)).astype(
@@ -225,6 +238,7 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
             bimodal=bimodal.get(w),
             union_requests=n_s,
             overlaps=overlaps.get(w, {}),
+            tool_time_after_fanout_mean=float(sum_after_fanout[w] / n_s) / US,
         )
     return dict(sorted(out.items()))
 
@@ -252,7 +266,31 @@ def _none_completed(
         models={},
         bimodal=None,
         union_requests=0,
+        tool_time_after_fanout_mean=math.nan,
     )
+
+
+def _gaps_after_fanouts(a: I64, b: I64, starts: I64) -> I64:
+    """Per request (``starts``: its first call in the shifted layout), the summed gaps right
+    after a block of two or more overlapping calls: a block is a run of calls each starting
+    before the running maximum of the ends before it (calls that merely touch stay apart)."""
+    out = np.zeros(starts.size, np.int64)
+    if a.size == 0:
+        return out
+    reach = np.maximum.accumulate(b)  # never carries across requests (the layout's ranges)
+    first = np.zeros(a.size, dtype=np.bool_)
+    first[starts] = True
+    opens = first.copy()
+    opens[1:] |= a[1:] >= reach[:-1]
+    block = np.cumsum(opens) - 1
+    size = np.bincount(block)
+    heads = np.flatnonzero(opens)
+    follows = heads[~first[heads]]  # blocks after a gap inside their request
+    after = size[block[follows] - 1] >= 2
+    gap = a[follows] - reach[follows - 1]
+    request = np.searchsorted(starts, follows, side="right") - 1
+    np.add.at(out, request[after], gap[after])
+    return out
 
 
 def _overlaps(

@@ -111,6 +111,36 @@ def test_tool_time_is_the_uncovered_gap(write_store: Write) -> None:
     assert wf.latency_mean == pytest.approx(4.0)
     assert wf.critical_path_mean == pytest.approx(2.0)
     assert wf.tool_time_mean == pytest.approx(2.0)
+    assert wf.tool_time_after_fanout_mean == pytest.approx(2.0)  # the gap follows two at once
+
+
+def test_tool_time_after_a_fanout_is_reported_apart(write_store: Write) -> None:
+    """An agent's step: planner, then workers fanned out with a tool beside them that outlasts
+    them (the gap after their join), a planner call, a tool alone, a last planner call."""
+
+    def agent(rid: str, t: float, tool_tail: float) -> list[Row]:
+        return [
+            call("agent", rid, "planner", t, t + 1.0),
+            call("agent", rid, "worker", t + 1.1, t + 1.5),
+            call("agent", rid, "worker", t + 1.1, t + 1.6),
+            call("agent", rid, "worker", t + 1.1, t + 1.4),
+            call("agent", rid, "planner", t + 1.6 + tool_tail, t + 2.6 + tool_tail),
+            call("agent", rid, "planner", t + 2.9 + tool_tail, t + 3.9 + tool_tail),
+        ]
+
+    # the tool beside the workers ran 0.5 s past their join in R1, and ended before it in R2;
+    # a sequential call that starts as the last one ends (R3) is no fan-out
+    rows = [
+        *agent("R1", 0.0, 0.5),
+        *agent("R2", 10.0, 0.0),
+        call("agent", "R3", "planner", 20.0, 21.0),
+        call("agent", "R3", "planner", 21.0, 22.0),
+        call("agent", "R3", "planner", 22.5, 23.0),
+    ]
+    wf = summarise_store(write_store(rows))["agent"]
+    # uncovered: 0.1 before the fan-out, 0.5 after its join (R1), 0.3 of tool alone
+    assert wf.tool_time_mean == pytest.approx((0.9 + 0.4 + 0.5) / 3)
+    assert wf.tool_time_after_fanout_mean == pytest.approx(0.5 / 3)
 
 
 def test_window_bounds_arrivals_and_completion(write_store: Write) -> None:
