@@ -91,11 +91,13 @@ def live_points(
     """The trusted loads as live points. ``seen_since``: per replica URL, when it was first
     seen running (epoch s); ``gpu_types``: per node, its GPU type; ``engines``: per model, the
     engine its replayed profile names."""
-    by_url = {(r.model, r.url): r for r in replicas}
+    # the proxy records the route's URL as given, the settings strip a trailing slash
+    by_url = {(r.model, r.url.rstrip("/")): r for r in replicas}
+    since_by_url = {u.rstrip("/"): t for u, t in seen_since.items()}
     out = []
     for load in sorted(loads, key=lambda ld: (ld.model, ld.upstream)):
-        replica = by_url.get((load.model, load.upstream))
-        since = seen_since.get(load.upstream)
+        replica = by_url.get((load.model, load.upstream.rstrip("/")))
+        since = since_by_url.get(load.upstream.rstrip("/"))
         if replica is None or verdict(load, replica, since, min_window_s) is not None:
             continue
         out.append(_point(load, replica, gpu_types, engines))
