@@ -81,11 +81,13 @@ def report_doc(
     rollouts: list[dict[str, Any]] = []
     # When each allocation took effect: the bootstrap, then every rollout that succeeded.
     changes: list[tuple[float, str]] = [(timeline.get("bootstrap_ready", 0.0), "bootstrap")]
+    rolling: list[tuple[float, float]] = []  # (start, end) of every rollout, ok or not
     for p in passes:
         r = p.report
         if not r.decision.taken:
             continue
         end = p.t + (r.search_s or 0.0) + (r.rollout_s or 0.0)
+        rolling.append((p.t, end))
         if r.outcome == "ok":
             changes.append((end, f"rollout {len(rollouts) + 1}"))
         rollouts.append(
@@ -128,7 +130,10 @@ def report_doc(
     for p in passes:
         r = p.report
         settled = [label for end, label in changes if end <= p.t - r.window_s]
-        if not settled:
+        # A window a rollout ran in measured neither allocation, and the pass predicted the
+        # one the rollout left: it is no evidence either way, so it is left out.
+        straddled = any(start < p.t and end > p.t - r.window_s for start, end in rolling)
+        if not settled or straddled:
             continue
         for w, ws in r.stats.items():
             pred = r.predicted_now.get(w)
