@@ -139,11 +139,15 @@ def report_doc(
             pred = r.predicted_now.get(w)
             if pred is None or ws.requests == 0:
                 continue
+            # The daemon learns live points from the first full window an allocation serves;
+            # windows that start after that one are what its predictions are judged on.
+            learned = max(end for end, _ in changes if end <= p.t - r.window_s) + r.window_s
             pvo.append(
                 {
                     "t": round(p.t, 1),
                     "workflow": w,
                     "allocation": settled[-1],
+                    "judged": p.t - r.window_s >= learned,
                     "rate": round(ws.arrival_rate, 3),
                     "requests": ws.requests,
                     "predicted_s": _num(pred),
@@ -169,6 +173,7 @@ def report_doc(
         "failed_requests": failed,
         "allocations": allocations,
         "predicted_vs_observed": pvo,
+        "accuracy": accuracy(pvo),
         "decisions": kinds,
         "profile_points": profile_sources(points),
         "timeline_s": dict(timeline),
@@ -320,6 +325,15 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += [
         "## Predicted vs observed mean latency (windows that start after the allocation took effect)",
         "",
+        "Judged windows (starting after the first full window an allocation served, which the "
+        "daemon learns live profile points from), median |error| per workflow: "
+        + ", ".join(
+            f"{w} {a['median_abs_error']:.0%} over {a['windows']}"
+            if a["median_abs_error"] is not None
+            else f"{w} none"
+            for w, a in doc.get("accuracy", {}).items()
+        ),
+        "",
         "| t (s) | workflow | allocation | rate/s | predicted (s) | observed (s) | error |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -330,6 +344,24 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
             f"{p['predicted_s']} | {p['observed_s']} | {err} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def accuracy(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | int | None]]:
+    """Per workflow, the median |predicted - observed| / observed over the judged windows (those
+    that start after the first full window an allocation served), and how many there were."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for w in sorted({str(r["workflow"]) for r in rows}):
+        errors = sorted(
+            abs(float(r["error"]))
+            for r in rows
+            if r["workflow"] == w and r.get("judged") and r["error"] is not None
+        )
+        median = None
+        if errors:
+            mid = len(errors) // 2
+            median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+        out[w] = {"median_abs_error": median, "windows": len(errors)}
+    return out
 
 
 def problems(doc: Mapping[str, Any]) -> list[str]:

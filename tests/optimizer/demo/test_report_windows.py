@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from types import MappingProxyType
 
+import pytest
+
 from optimizer.control.decide import Decision
 from optimizer.daemon.service import TickReport
 from optimizer.demo.report import Pass, report_doc
@@ -47,3 +49,8 @@ def test_windows_a_rollout_ran_in_are_left_out() -> None:
         (60.0, "rollout 1"),
     ]
     assert all(abs(r["error"] - 0.1) < 1e-9 for r in doc["predicted_vs_observed"])
+    # Judged: windows starting after the first full window of their allocation ([0, 10] for
+    # the bootstrap, [34, 44] for the rollout): t=20, 30 and 60.
+    judged = [r["t"] for r in doc["predicted_vs_observed"] if r["judged"]]
+    assert judged == [20.0, 30.0, 60.0]
+    assert doc["accuracy"] == {"w": {"median_abs_error": pytest.approx(0.1), "windows": 3}}
