@@ -24,11 +24,58 @@ from typing import Literal
 
 from shared.settings_schema import SettingsError, setting
 
-__all__ = ["MAX_GRANULARITY", "OptimizerSettings"]
+__all__ = ["MAX_GRANULARITY", "OptimizerSettings", "ReprofileSettings"]
 
 # The search's tables grow with GPUs x granularity (10,000,000 asked for 1.16 TiB); shares finer
 # than 1% of a GPU are below what an engine's memory fraction can tell apart anyway.
 MAX_GRANULARITY = 100
+
+
+@dataclass(frozen=True)
+class ReprofileSettings:
+    """When the daemon profiles a model on its own (:mod:`optimizer.control.reprofile`)."""
+
+    enabled: bool = setting(
+        True,
+        doc="profile on its own: a model in traffic without a profile, a (model, GPU, TP, "
+        "share) a proposal wants that no point covers, a workflow whose latency strays from "
+        "its prediction; only on GPUs no served model uses or needs",
+    )
+    min_interval_s: float = setting(
+        3600.0, doc="least time between two profiling runs of one model (a failed one counts)"
+    )
+    drift_threshold: float = setting(
+        0.5,
+        doc="relative gap |predicted - observed| / observed of a workflow's latency that "
+        "counts towards a drift reprofile",
+    )
+    drift_windows: int = setting(
+        3, doc="consecutive passes the gap must hold, each with min_requests, before it fires"
+    )
+    min_requests: int = setting(
+        20, doc="completed requests a window needs for its latency to count towards drift"
+    )
+    max_gpus: int = setting(1, doc="most GPUs one profiling replica may take (its TP degree)")
+    scaled_shares: bool = setting(
+        False,
+        doc="also profile a share the proposal wants that is only scaled from another "
+        "profiled share of the same (model, GPU, TP)",
+    )
+    quick: bool = setting(True, doc="fewer, shorter sweep points (as `scepsy profile --quick`)")
+    calls_per_point: int | None = setting(
+        None, doc="calls replayed per sweep point (null: the sweep's default)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.min_interval_s < 0:
+            raise SettingsError("min_interval_s", "must not be negative")
+        if not self.drift_threshold > 0:
+            raise SettingsError("drift_threshold", "must be positive (a relative gap, 0.5 = 50%)")
+        for key in ("drift_windows", "min_requests", "max_gpus"):
+            if getattr(self, key) < 1:
+                raise SettingsError(key, "must be at least 1")
+        if self.calls_per_point is not None and self.calls_per_point < 1:
+            raise SettingsError("calls_per_point", "must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -78,7 +125,9 @@ class OptimizerSettings:
         "on vLLM; the emulator starts in about a second)",
     )
     reprofile_min_interval_s: float = setting(
-        3600.0, doc="least time between two profiling runs of one model"
+        3600.0,
+        doc="read by nothing, kept so older settings files still load: the daemon's "
+        "profiling runs follow reprofile.min_interval_s",
     )
     granularity: int = setting(
         10,
@@ -111,6 +160,9 @@ class OptimizerSettings:
         doc="consecutive failed passes (an exception: store or backend unreadable) after which "
         "/health/ready and /health answer 503 with the last error; they do too when no pass "
         "has succeeded for 3 x interval_s + 60 s",
+    )
+    reprofile: ReprofileSettings = setting(
+        factory=ReprofileSettings, doc="profiling runs the daemon starts on its own"
     )
 
     def __post_init__(self) -> None:
