@@ -60,6 +60,10 @@ OPTIMIZER_DECISIONS = "scepsy_optimizer_decisions_total"  # code: the decision's
 OPTIMIZER_UNREADABLE_SEGMENTS = "scepsy_optimizer_store_unreadable_segments"
 # Live profile points (learned from the replicas' traffic) the profile book holds (model).
 OPTIMIZER_LIVE_PROFILE_POINTS = "scepsy_optimizer_live_profile_points"
+# Profiling runs the daemon started on its own (reason: no_profile, uncovered, drift;
+# outcome: started, ok, failed, cancelled, waiting) and whether one runs now (0 or 1).
+OPTIMIZER_REPROFILES = "scepsy_optimizer_reprofiles_total"
+OPTIMIZER_REPROFILE_RUNNING = "scepsy_optimizer_reprofile_running"
 
 OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_WORKFLOW_RATE,
@@ -75,4 +79,6 @@ OPTIMIZER_METRICS: tuple[str, ...] = (
     OPTIMIZER_DECISIONS,
     OPTIMIZER_UNREADABLE_SEGMENTS,
     OPTIMIZER_LIVE_PROFILE_POINTS,
+    OPTIMIZER_REPROFILES,
+    OPTIMIZER_REPROFILE_RUNNING,
 )

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -49,6 +49,7 @@ from rich.table import Table
 from optimizer.cli.main import UsageError, existing_store
 from optimizer.model.curves import Profile
 from optimizer.profiling import profiler, replay, window
+from optimizer.profiling.auto import Untrusted, trusted_points
 from optimizer.profiling.profiler import PointResult, ProfileRunError, Replayer, SweepResult
 from optimizer.profiling.replay import ReplayError, Workload
 from optimizer.profiling.window import QUICK, SweepSettings, Target
@@ -452,39 +453,6 @@ def _numbers(text: str, kind: type[int] | type[float], flag: str) -> list[float]
     if not values:
         raise UsageError(f"{flag}: give at least one value")
     return [float(v) for v in values]
-
-
-@dataclass(frozen=True)
-class Untrusted:
-    """A measured point not stored: its prefix-hit rate departed from the trace's."""
-
-    point: ProfilePoint
-    hit_rate: float | None
-    traced_hit_rate: float | None
-    reason: str
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "point": asdict(self.point),
-            "hit_rate": self.hit_rate,
-            "traced_hit_rate": self.traced_hit_rate,
-            "reason": self.reason,
-        }
-
-
-def trusted_points(
-    results: Sequence[PointResult], traced_hit_rate: float | None, tolerance: float
-) -> tuple[list[ProfilePoint], list[Untrusted]]:
-    """The points to store, and those whose prefix-hit rate departs from the trace's."""
-    kept: list[ProfilePoint] = []
-    dropped: list[Untrusted] = []
-    for r in results:
-        reason = window.hit_rate_departure(r.hit_rate, traced_hit_rate, tolerance)
-        if reason is None:
-            kept.append(r.point)
-        else:
-            dropped.append(Untrusted(r.point, r.hit_rate, traced_hit_rate, reason))
-    return kept, dropped
 
 
 def export_document(points: Sequence[ProfilePoint], untrusted: Sequence[Untrusted]) -> bytes:

@@ -5,7 +5,8 @@ queries: per workflow the arrival rate, observed and predicted latency; per (wor
 ``n_m`` and ``p_m``; per model the replicas and GPU-equivalents allocated; counters of
 decisions (``code`` = the decision's kind) and rollouts (``code`` = ok / failed); histograms of
 search and rollout time; the store's segments the readers skip as unreadable; per model the
-live profile points the profile book holds (learned from what the replicas served).
+live profile points the profile book holds (learned from what the replicas served); profiling
+runs the daemon started on its own, by reason and outcome, and whether one runs now.
 
 Invariants: the registry belongs to one :class:`DaemonMetrics` (tests and demos may run several
 daemons in one process); gauges describing the current state are cleared before each update,
@@ -100,6 +101,19 @@ class DaemonMetrics:
             names.OPTIMIZER_LIVE_PROFILE_POINTS,
             "Live profile points (observed from the replicas' traffic) the profile book holds",
             ["model"],
+            registry=r,
+        )
+
+        self.reprofiles = Counter(
+            names.OPTIMIZER_REPROFILES,
+            "Profiling runs the daemon started on its own, by reason (no_profile, uncovered, "
+            "drift) and outcome (started, ok, failed, cancelled, waiting)",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.reprofile_running = Gauge(
+            names.OPTIMIZER_REPROFILE_RUNNING,
+            "1 while a profiling replica started by the daemon runs, else 0",
             registry=r,
         )
 
