@@ -223,6 +223,7 @@ class Daemon:
         self.metrics.observe_stats(read.stats)
         observed_all = await self.backend.observe()
         observed = _served(observed_all)  # a profiling replica is neither planned nor served
+        await self._stop_orphans(observed_all)
         self._observe_allocation(observed)
         self._note_replicas(observed, now)
         learned = await self._learn(read.loads, observed)
@@ -473,7 +474,8 @@ class Daemon:
             ),
             name=f"reprofile-{req.model}",
         )
-        self._reprofiling = _Reprofiling(req, choice.slot, task)
+        group = auto.profiling_group(req, choice.slot, self.settings).id
+        self._reprofiling = _Reprofiling(req, choice.slot, group, task)
         task.add_done_callback(lambda _: self.metrics.reprofile_running.set(0))
         self.metrics.reprofile_running.set(1)
         self.metrics.reprofiles.labels(req.reason, "started").inc()
@@ -529,9 +531,21 @@ class Daemon:
         run = self._reprofiling
         if run is None or run.task.done():
             return
-        if any(g.overlaps(run.slot.node, run.slot.gpus) for g in plan.target):
+        # the groups it starts (new ones, temporary copies) and the ones it ends with
+        starts = [(s.node, s.gpus) for s in plan.steps if s.kind == "start"]
+        starts += [(g.node, g.gpus) for g in plan.target]
+        if any(n == run.slot.node and set(gs) & set(run.slot.gpus) for n, gs in starts):
             log.info("reprofile of %s cancelled: the rollout needs its GPUs", run.request.model)
             await _cancel(run.task)
+
+    async def _stop_orphans(self, observed: Observed) -> None:
+        """Stop profiling groups this daemon does not run (a daemon that stopped mid-run left
+        them): nothing else would ever free their GPUs."""
+        mine = None if self._reprofiling is None else self._reprofiling.group
+        for gid in sorted({r.group for r in observed.replicas if reprofile.is_profiling(r)}):
+            if gid != mine:
+                log.warning("stopping profiling group %s, which no run of this daemon owns", gid)
+                await self.backend.stop(gid)
 
     async def reprofile_done(self) -> None:
         """Wait for the profiling run in flight, if any, to end (tests, the demo)."""
@@ -647,6 +661,7 @@ class _Reprofiling:
 
     request: ReprofileRequest
     slot: Slot
+    group: str  # the profiling group's id
     task: asyncio.Task[ReprofileOutcome]
 
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from optimizer.control.reprofile import is_profiling
 from optimizer.daemon.service import Daemon
-from optimizer.plan.planner import GroupSpec, RunningReplica
+from optimizer.plan.planner import GroupSpec, Plan, RunningReplica, Step
 from optimizer.profiling.window import SweepSettings
 from optimizer.store.decisions import load_decisions
 from optimizer.store.profiles import load_points
@@ -207,3 +207,62 @@ async def test_disabled_reprofiling_starts_nothing(tmp_path: Path) -> None:
     daemon = Daemon(_settings(tmp_path, enabled=False), backend, clock=FakeClock(T0 + 50.0))
     await daemon.tick()
     assert backend.started == [] and daemon.reprofiles == []
+
+
+def _plan_to(group: GroupSpec) -> Plan:
+    """A plan that starts ``group``."""
+    return Plan((group,), (Step("start", group.id, group.node, group.gpus, (), ()),))
+
+
+class StuckBackend(FakeBackend):
+    """A fake backend whose profiling replicas never become ready (a run stays in flight)."""
+
+    async def wait_ready(self, group: GroupSpec) -> None:
+        if group.id.startswith("profiling-"):
+            await asyncio.Event().wait()
+
+
+async def _in_flight(tmp_path: Path) -> tuple[Daemon, StuckBackend, str]:
+    _trace(tmp_path)
+    backend = StuckBackend()
+    daemon = Daemon(_settings(tmp_path), backend, clock=FakeClock(T0 + 50.0))
+    await daemon.tick()
+    await asyncio.sleep(0.05)  # the run's task starts its replica
+    (gid,) = [g for g in backend.started if g.startswith("profiling-")]
+    return daemon, backend, gid
+
+
+async def test_a_rollout_that_needs_the_profiling_gpus_cancels_the_run_first(
+    tmp_path: Path,
+) -> None:
+    daemon, backend, gid = await _in_flight(tmp_path)
+    held = next(r for r in backend.replicas.values() if r.group == gid).gpus
+    other = tuple(g for g in (0, 1) if g not in held)
+    await daemon._yield_gpus(_plan_to(GroupSpec("g-other", "n0", other, ())))
+    assert backend.stopped == []  # a rollout on other GPUs leaves it running
+    await daemon._yield_gpus(_plan_to(GroupSpec("g-new", "n0", held, ())))
+    assert backend.stopped == [gid] and not backend.replicas
+    await daemon.tick()  # the next pass records the cancelled run
+    rows = [d for d in load_decisions(tmp_path) if d["kind"] == "reprofile"]
+    assert [r["outcome"] for r in rows] == ["started", "cancelled"]
+
+
+async def test_stopping_the_loop_cancels_the_run_and_stops_its_replica(tmp_path: Path) -> None:
+    daemon, backend, gid = await _in_flight(tmp_path)
+    loop = asyncio.create_task(daemon.run())
+    await asyncio.sleep(0.1)
+    loop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop
+    assert gid in backend.stopped and not backend.replicas
+
+
+async def test_a_profiling_group_no_run_owns_is_stopped(tmp_path: Path) -> None:
+    _trace(tmp_path)
+    backend = FakeBackend()
+    backend.replicas["p"] = RunningReplica(
+        "p", "profiling-left", MODEL, "n0", (1,), 1.0, 1, "http://fake/p", True
+    )
+    daemon = Daemon(_settings(tmp_path, enabled=False), backend, clock=FakeClock(T0 + 50.0))
+    await daemon.tick()
+    assert backend.stopped == ["profiling-left"]
