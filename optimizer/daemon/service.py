@@ -504,6 +504,7 @@ class Daemon:
         ]
         if run.task.cancelled():
             self.metrics.reprofiles.labels(req.reason, "cancelled").inc()
+            log.info("reprofile of %s cancelled; its replica was stopped", req.model)
             await self._record_reprofile(t, "reprofile", req, "cancelled", run.slot)
             return
         exc = run.task.exception()
