@@ -10,8 +10,9 @@ through the backend, :func:`optimizer.rollout.backend.execute`) → **record** (
 decision log, :mod:`optimizer.store.decisions`, the metrics, :mod:`optimizer.daemon.metrics`,
 and one log line) → **reprofile** (:func:`optimizer.control.reprofile.choose`, pure: a model
 without a profile, a key the proposal wants that no point measures, a latency that strays from
-its prediction; on GPUs no replica holds or the proposal wants, else the request waits) started
-as a background task (:func:`optimizer.profiling.auto.reprofile`) that the next passes harvest.
+its prediction; on GPUs no replica holds or the proposal wants, else the request waits), run
+in the background by :class:`optimizer.daemon.reprofiler.Reprofiler`, which a later pass
+harvests.
 The daemon holds no decision logic: what it decides is the step's and the triggers'.
 :func:`make_app` wraps a :class:`Daemon` into an aiohttp app whose ``cleanup_ctx`` runs the
 loop; ``scepsy run`` (:mod:`optimizer.cli.run`) serves it.
@@ -37,13 +38,10 @@ Invariants:
 - ``/health/ready`` (and ``/health``, its old name) reports the passes: 503 with the last
   error after ``optimizer.health_failed_passes`` failed passes in a row, or when none has
   succeeded for 3 intervals + 60 s; ``/health/live`` is 200 while the server answers;
-- at most one profiling run at a time, in a background task: passes go on meanwhile; its
-  replica (a group id starting ``profiling-``) is left out of what the step plans from and is
-  never routed; a rollout whose target needs its GPUs cancels it first (the replica is stopped);
-  its points are saved, and its start, end or failure recorded (decision-log kind
-  ``reprofile``, ``reprofile_waiting`` while no GPU is free), by the pass that harvests it, so
-  every store write stays in the pass's order; the run is cancelled when the loop stops;
-  nothing is profiled while ``optimizer.apply`` is false;
+- at most one profiling run at a time (:mod:`optimizer.daemon.reprofiler`): passes go on
+  meanwhile; its replica (a group id starting ``profiling-``) is left out of what the step
+  plans from and is never routed; a rollout whose plan needs its GPUs cancels it first; the run
+  is cancelled when the loop stops;
 - an unreadable trace-store segment is skipped by the readers (:mod:`shared.store`), named in
   a warning and counted in ``scepsy_optimizer_store_unreadable_segments``: it fails no pass.
 """
@@ -62,18 +60,18 @@ from dataclasses import asdict, dataclass, field, replace
 import orjson
 from aiohttp import web
 
-from optimizer.control import reprofile, step
+from optimizer.control import step
 from optimizer.control.decide import Decision, DetectorState, Proposal
 from optimizer.control.proposal import Running, allocation_doc, cluster_without, running_doc
-from optimizer.control.reprofile import DriftSample, ReprofileRequest, ReprofileRun, Slot
+from optimizer.control.reprofile import ReprofileRun
 from optimizer.control.step import RECENT_S, ControlState, StepInput, StepOutput
+from optimizer.daemon import reprofiler
 from optimizer.daemon.metrics import DaemonMetrics
+from optimizer.daemon.reprofiler import Reprofiler
 from optimizer.model import live
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
 from optimizer.plan.planner import Observed, Plan
-from optimizer.profiling import auto
-from optimizer.profiling.auto import ReprofileOutcome
 from optimizer.profiling.window import SweepSettings
 from optimizer.rollout.backend import Backend, execute
 from optimizer.search.solve import SearchResult
@@ -194,11 +192,6 @@ class Daemon:
     _book_cache: tuple[int | None, ProfileBook] | None = None
     _seen_since: dict[str, float] = field(default_factory=dict)  # replica URL -> first seen ready
     reprofile_sweep: SweepSettings | None = None  # profiling runs' sweep (None: from settings)
-    reprofiles: list[ReprofileRun] = field(default_factory=list)  # runs started, oldest first
-    _reprofiling: _Reprofiling | None = None  # the run in flight, or done and not yet harvested
-    _drift: list[DriftSample] = field(default_factory=list)  # the last passes' predictions
-    _drift_since: float = -math.inf  # drift counts windows starting after this (a change)
-    _waiting: str | None = None  # the last reprofile_waiting recorded (recorded once)
 
     def __post_init__(self) -> None:
         self.cfg = self.settings.optimizer
@@ -208,7 +201,24 @@ class Daemon:
         self.cluster = cluster_from_settings(self.settings.cluster)
         self.search_cluster = cluster_without(self.cluster, self.cfg.reserve_gpus)
         self.gpu_types = {n.name: n.gpus[0].type for n in self.cluster.nodes if n.gpus}
-        self.default_gpu_type = next(iter(self.gpu_types.values()), "")
+        self.reprofiler = Reprofiler(
+            self.settings,
+            self.backend,
+            self.metrics,
+            self.cluster,
+            self.gpu_types,
+            self.clock,
+            self.reprofile_sweep,
+        )
+
+    @property
+    def reprofiles(self) -> list[ReprofileRun]:
+        """The profiling runs this daemon started, oldest first."""
+        return self.reprofiler.runs
+
+    async def reprofile_done(self) -> None:
+        """Wait for the profiling run in flight, if any, to end (tests, the demo)."""
+        await self.reprofiler.done()
 
     @property
     def state(self) -> DetectorState:
@@ -218,12 +228,15 @@ class Daemon:
     # --- one pass: read → step → execute → record ------------------------------------------
     async def tick(self) -> TickReport:
         now = self.clock()
-        await self._harvest()
+        if await self.reprofiler.harvest():
+            self._book_cache = None  # a run saved points: re-read the profiles
         read = await asyncio.to_thread(self._read, now)
         self.metrics.observe_stats(read.stats)
         observed_all = await self.backend.observe()
-        observed = _served(observed_all)  # a profiling replica is neither planned nor served
-        await self._stop_orphans(observed_all)
+        observed = reprofiler.served(
+            observed_all
+        )  # a profiling replica is neither planned nor served
+        await self.reprofiler.stop_orphans(observed_all)
         self._observe_allocation(observed)
         self._note_replicas(observed, now)
         learned = await self._learn(read.loads, observed)
@@ -261,8 +274,11 @@ class Daemon:
         report = await self._execute(out, report)
         await self._record(report)
         _log_decision(report)
-        self._note_drift(report, now)
-        await self._reprofile(now, read, observed_all, book, out, report)
+        window_start = now - report.window_s - self.cfg.settle_s
+        rolled = report.rollout_s is not None
+        self.reprofiler.note_drift(self.ticks, window_start, read.stats, out.predicted_now, rolled)
+        if not rolled:  # after a rollout what runs changed: the next pass looks again
+            await self.reprofiler.consider(now, read.stats, observed_all, book, out.placement)
         self.ticks += 1
         self.last = report
         self.last_tick_end = time.monotonic()
@@ -298,14 +314,14 @@ class Daemon:
             return replace(report, outcome="not applied (optimizer.apply is false)")
         t1 = time.monotonic()
         try:
-            await self._yield_gpus(out.plan)
+            await self.reprofiler.yield_gpus(out.plan)
             await execute(out.plan, self.backend)
             outcome, ok = "ok", True
         except Exception as exc:  # a failed rollout is recorded; the loop goes on
             log.warning("rollout failed: %s", exc)
             outcome, ok = f"failed: {type(exc).__name__}: {exc}", False
         rollout_s = time.monotonic() - t1
-        self._observe_allocation(_served(await self.backend.observe()))
+        self._observe_allocation(reprofiler.served(await self.backend.observe()))
         self.metrics.rollouts.labels("ok" if ok else "failed").inc()
         self.metrics.rollout_time.observe(rollout_s)
         self.control = out.after_rollout(self.clock(), ok)
@@ -398,199 +414,6 @@ class Daemon:
         )
         await decisions.save_decision_async(self.store, row)
 
-    # --- reprofiling -----------------------------------------------------------------------
-    def _note_drift(self, report: TickReport, now: float) -> None:
-        """Remember this pass's predicted and observed latency per workflow, for the drift
-        trigger; a rollout forgets them (the next windows measure another allocation)."""
-        if report.rollout_s is not None:
-            self._drift.clear()
-            self._drift_since = self.clock()
-            return
-        if now - report.window_s - self.cfg.settle_s < self._drift_since:
-            return  # the window reaches back before the allocation or the profiles changed
-        for w, ws in report.stats.items():
-            if w in report.predicted_now:
-                self._drift.append(
-                    DriftSample(
-                        self.ticks, w, report.predicted_now[w], ws.latency_mean, ws.requests
-                    )
-                )
-        keep = self.cfg.reprofile.drift_windows
-        self._drift = [s for s in self._drift if s.index > self.ticks - keep]
-
-    async def _reprofile(
-        self,
-        now: float,
-        read: _Read,
-        observed: Observed,
-        book: ProfileBook,
-        out: StepOutput,
-        report: TickReport,
-    ) -> None:
-        """Start the profiling run the triggers ask for on GPUs the budget finds, or record
-        that it waits; nothing while one runs, after a rollout this pass (what runs changed:
-        the next pass looks again) or with ``optimizer.apply`` false."""
-        cfg = self.cfg.reprofile
-        if not cfg.enabled or not self.cfg.apply or report.rollout_s is not None:
-            return
-        if self._reprofiling is not None:
-            return
-        inp = reprofile.TriggerInput(
-            read.stats,
-            book,
-            _served(observed).replicas,
-            reprofile.wanted_keys(out.placement, self.gpu_types),
-            tuple(self._drift),
-            tuple(self.reprofiles),
-            frozenset(self.settings.rollout.revisions()),
-            self.gpu_types,
-            self.default_gpu_type,
-            cfg,
-            now,
-        )
-        choice = reprofile.choose(inp, self.cluster, observed.replicas, out.placement)
-        req = choice.request
-        if req is None or choice.slot is None:
-            note = None if req is None else f"{req.model}: {choice.waiting}"
-            if req is not None and note != self._waiting:
-                self.metrics.reprofiles.labels(req.reason, "waiting").inc()
-                log.info("reprofile waits: %s (%s)", note, req.detail)
-                await self._record_reprofile(now, "reprofile_waiting", req, f"waiting: {note}")
-            self._waiting = note
-            return
-        self._waiting = None
-        self.reprofiles.append(
-            ReprofileRun(req.model, req.gpu_type, req.tp, req.share, req.reason, now)
-        )
-        task = asyncio.create_task(
-            auto.reprofile(
-                req,
-                choice.slot,
-                self.backend,
-                self.settings,
-                book=book,
-                sweep=self.reprofile_sweep,
-                save=False,
-            ),
-            name=f"reprofile-{req.model}",
-        )
-        group = auto.profiling_group(req, choice.slot, self.settings).id
-        self._reprofiling = _Reprofiling(req, choice.slot, group, task)
-        task.add_done_callback(lambda _: self.metrics.reprofile_running.set(0))
-        self.metrics.reprofile_running.set(1)
-        self.metrics.reprofiles.labels(req.reason, "started").inc()
-        log.info(
-            "reprofile started: %s tp=%d share=%g on %s GPU %s (%s: %s)",
-            req.model,
-            req.tp,
-            req.share,
-            choice.slot.node,
-            ",".join(map(str, choice.slot.gpus)),
-            req.reason,
-            req.detail,
-        )
-        await self._record_reprofile(now, "reprofile", req, "started", choice.slot)
-
-    async def _harvest(self) -> None:
-        """Settle a profiling run that ended: save its points, record and count its outcome,
-        re-read the profiles and restart the drift windows."""
-        run = self._reprofiling
-        if run is None or not run.task.done():
-            return
-        self._reprofiling = None
-        req, t = run.request, self.clock()
-        self.reprofiles = [
-            replace(r, finished=t) if r.finished is None else r for r in self.reprofiles
-        ]
-        if run.task.cancelled():
-            self.metrics.reprofiles.labels(req.reason, "cancelled").inc()
-            log.info("reprofile of %s cancelled; its replica was stopped", req.model)
-            await self._record_reprofile(t, "reprofile", req, "cancelled", run.slot)
-            return
-        exc = run.task.exception()
-        if exc is not None:
-            self.metrics.reprofiles.labels(req.reason, "failed").inc()
-            log.warning("reprofile of %s failed: %s: %s", req.model, type(exc).__name__, exc)
-            outcome = f"failed: {type(exc).__name__}: {exc}"
-            await self._record_reprofile(t, "reprofile", req, outcome, run.slot)
-            return
-        result = run.task.result()
-        if result.points:
-            await profiles.save_points_async(self.store, result.points)
-            self._book_cache = None
-            self._drift.clear()
-            self._drift_since = t
-        self.metrics.reprofiles.labels(req.reason, "ok").inc()
-        log.info("reprofile done: %s", result.summary())
-        await self._record_reprofile(
-            t, "reprofile", req, f"ok: {result.summary()}", run.slot, result
-        )
-
-    async def _yield_gpus(self, plan: Plan) -> None:
-        """Cancel the profiling run if the rollout's target needs its GPUs (a profile never
-        keeps GPUs from a served model); its replica is stopped before the rollout starts."""
-        run = self._reprofiling
-        if run is None or run.task.done():
-            return
-        # the groups it starts (new ones, temporary copies) and the ones it ends with
-        starts = [(s.node, s.gpus) for s in plan.steps if s.kind == "start"]
-        starts += [(g.node, g.gpus) for g in plan.target]
-        if any(n == run.slot.node and set(gs) & set(run.slot.gpus) for n, gs in starts):
-            log.info("reprofile of %s cancelled: the rollout needs its GPUs", run.request.model)
-            await _cancel(run.task)
-
-    async def _stop_orphans(self, observed: Observed) -> None:
-        """Stop profiling groups this daemon does not run (a daemon that stopped mid-run left
-        them): nothing else would ever free their GPUs."""
-        mine = None if self._reprofiling is None else self._reprofiling.group
-        for gid in sorted({r.group for r in observed.replicas if reprofile.is_profiling(r)}):
-            if gid != mine:
-                log.warning("stopping profiling group %s, which no run of this daemon owns", gid)
-                await self.backend.stop(gid)
-
-    async def reprofile_done(self) -> None:
-        """Wait for the profiling run in flight, if any, to end (tests, the demo)."""
-        if self._reprofiling is not None:
-            await asyncio.wait([self._reprofiling.task])
-
-    async def _record_reprofile(
-        self,
-        t: float,
-        kind: str,
-        req: ReprofileRequest,
-        outcome: str,
-        slot: Slot | None = None,
-        result: ReprofileOutcome | None = None,
-    ) -> None:
-        """One decision-log row for a profiling run's start, end or wait: its key, why, where,
-        and what it changed (points saved, ``T_m`` of the key before and after)."""
-        change: dict[str, object] = {
-            "model": req.model,
-            "gpu_type": req.gpu_type,
-            "tp": req.tp,
-            "share": req.share,
-            "reason": req.reason,
-        }
-        if slot is not None:
-            change |= {"node": slot.node, "gpus": list(slot.gpus)}
-        if result is not None:
-            change |= {
-                "points_saved": len(result.points),
-                "points_untrusted": len(result.untrusted),
-                "saturation_before": _num(result.saturation_before),
-                "saturation_after": _num(result.saturation_after),
-                "seconds": result.seconds,
-            }
-        row = DecisionRow(
-            t=t,
-            kind=kind,
-            taken=False,
-            outcome=outcome,
-            reasons=(f"{req.reason}: {req.detail}",),
-            changes=(change,),
-        )
-        await decisions.save_decision_async(self.store, row)
-
     # --- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
         """Tick every ``interval_s`` until cancelled (a profiling run in flight is cancelled
@@ -609,8 +432,7 @@ class Daemon:
                     log.exception("optimizer pass failed")
                 await asyncio.sleep(max(0.0, self.cfg.interval_s - (time.monotonic() - t0)))
         finally:
-            if self._reprofiling is not None:
-                await _cancel(self._reprofiling.task)
+            await self.reprofiler.close()
 
     def health(self) -> tuple[bool, dict[str, object]]:
         """Readiness: ``False`` once ``health_failed_passes`` passes in a row failed
@@ -654,33 +476,6 @@ def _log_decision(report: TickReport) -> None:
             "gain": _num(d.gain),
         },
     )
-
-
-@dataclass(frozen=True)
-class _Reprofiling:
-    """The profiling run in flight (or ended, until a pass harvests it)."""
-
-    request: ReprofileRequest
-    slot: Slot
-    group: str  # the profiling group's id
-    task: asyncio.Task[ReprofileOutcome]
-
-
-def _served(observed: Observed) -> Observed:
-    """What runs without the profiling replicas (the routes are the proxies' as they are)."""
-    replicas = tuple(r for r in observed.replicas if not reprofile.is_profiling(r))
-    return (
-        observed
-        if len(replicas) == len(observed.replicas)
-        else replace(observed, replicas=replicas)
-    )
-
-
-async def _cancel(task: asyncio.Task[ReprofileOutcome]) -> None:
-    """Cancel ``task`` and wait for it to end (its ``finally`` stops the replica)."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
 
 
 def _models(book: ProfileBook) -> list[str]:

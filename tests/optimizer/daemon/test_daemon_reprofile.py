@@ -15,16 +15,27 @@ import pytest
 from aiohttp import web
 
 from optimizer.control.reprofile import is_profiling
+from optimizer.daemon.metrics import DaemonMetrics
+from optimizer.daemon.reprofiler import Reprofiler
 from optimizer.daemon.service import Daemon
+from optimizer.model.curves import ProfileBook
 from optimizer.plan.planner import GroupSpec, Plan, RunningReplica, Step
 from optimizer.profiling.window import SweepSettings
 from optimizer.store.decisions import load_decisions
 from optimizer.store.profiles import load_points
 from shared import metric_names
+from shared.cluster import cluster_from_settings as daemon_cluster
 from shared.records import CallRecord
 from shared.settings import Settings, settings_from_mapping
 from shared.store import SegmentWriter
-from tests.optimizer.daemon.test_daemon import FakeBackend, FakeClock
+from tests.optimizer.control.test_step import _stats
+from tests.optimizer.daemon.test_daemon import (
+    RAG_MODELS,
+    FakeBackend,
+    FakeClock,
+    _profiles,
+    _settings_doc,
+)
 
 S = 1_000_000
 T0 = 1_700_000_000.0
@@ -238,9 +249,9 @@ async def test_a_rollout_that_needs_the_profiling_gpus_cancels_the_run_first(
     daemon, backend, gid = await _in_flight(tmp_path)
     held = next(r for r in backend.replicas.values() if r.group == gid).gpus
     other = tuple(g for g in (0, 1) if g not in held)
-    await daemon._yield_gpus(_plan_to(GroupSpec("g-other", "n0", other, ())))
+    await daemon.reprofiler.yield_gpus(_plan_to(GroupSpec("g-other", "n0", other, ())))
     assert backend.stopped == []  # a rollout on other GPUs leaves it running
-    await daemon._yield_gpus(_plan_to(GroupSpec("g-new", "n0", held, ())))
+    await daemon.reprofiler.yield_gpus(_plan_to(GroupSpec("g-new", "n0", held, ())))
     assert backend.stopped == [gid] and not backend.replicas
     await daemon.tick()  # the next pass records the cancelled run
     rows = [d for d in load_decisions(tmp_path) if d["kind"] == "reprofile"]
@@ -266,3 +277,44 @@ async def test_a_profiling_group_no_run_owns_is_stopped(tmp_path: Path) -> None:
     daemon = Daemon(_settings(tmp_path, enabled=False), backend, clock=FakeClock(T0 + 50.0))
     await daemon.tick()
     assert backend.stopped == ["profiling-left"]
+
+
+async def test_drift_held_for_several_passes_starts_a_run_and_one_bad_pass_does_not(
+    tmp_path: Path,
+) -> None:
+    """Fake time: the pass's predictions against the observed latency, pass by pass."""
+    settings = settings_from_mapping(
+        _settings_doc(tmp_path, min_requests=10, windows_to_confirm=2), env=None
+    )
+    _profiles(tmp_path)
+    backend = FakeBackend()
+    for k, m in enumerate(RAG_MODELS):
+        backend.replicas[m] = RunningReplica(
+            m, f"g{k}", m, "n0", (0,), 0.3, 1, f"http://f/{m}", True
+        )
+    observed = await backend.observe()
+    clock = FakeClock(T0)
+    rep = Reprofiler(
+        settings, backend, DaemonMetrics(), daemon_cluster(settings.cluster), {"n0": "a6000"}, clock
+    )
+    book = ProfileBook(load_points(tmp_path))
+    stats = _stats(1.0, latency=1.0)  # 40 requests a window, 1 s observed
+
+    async def passes(gaps: list[float], start: int) -> None:
+        for k, gap in enumerate(gaps):
+            clock.t += 20.0
+            rep.note_drift(start + k, clock.t - 43.0, stats, {"rag": 1.0 + gap}, False)
+            await rep.consider(clock.t, stats, observed, book, None)
+
+    await passes([0.0, 0.0, 2.0, 0.0, 2.0, 2.0], 0)  # one bad pass, then two: not yet
+    assert rep.runs == []
+    await passes([2.0], 6)  # the third in a row
+    assert [(r.model, r.reason) for r in rep.runs] == [
+        ("bge-reranker-base", "drift")
+    ]  # never profiled: by name
+    await rep.done()  # the store holds no calls to replay: the run fails
+    assert not await rep.harvest()
+    rows = [d for d in load_decisions(tmp_path) if d["kind"] == "reprofile"]
+    assert [r["outcome"].split(":")[0] for r in rows] == ["started", "failed"]
+    assert "over-predicted by 200%" in rows[0]["reasons"][0]
+    assert backend.started == []  # it failed reading the trace, before starting a replica
