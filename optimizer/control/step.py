@@ -238,8 +238,9 @@ def _replan(
         missing = sorted(models - {k.model for k in inp.book.profiles})
         if missing:
             raise PlanningError(
-                f"no profile for model(s) {', '.join(missing)}: run "
-                "`scepsy profile` (profiles are read from the store)"
+                f"no profile for model(s) {', '.join(missing)}: the daemon profiles a model it "
+                "sees in traffic on free GPUs (optimizer.reprofile), or run `scepsy profile` "
+                "(profiles are read from the store)"
             )
         problem = search_problem(settings, pipes, rates, inp.book, search_cluster)
         placed = solve.search_and_place(problem)
