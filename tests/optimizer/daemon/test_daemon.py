@@ -24,7 +24,6 @@ from optimizer.plan.planner import GroupSpec, Observed, Route, RunningReplica
 from optimizer.store.decisions import load_decisions
 from optimizer.store.profiles import save_points
 from shared import metric_names
-from shared.profile_points import ProfilePoint
 from shared.records import COLUMN_NAMES
 from shared.settings import Settings, settings_from_mapping
 from shared.store import SegmentWriter
@@ -32,11 +31,10 @@ from sim.cluster import Allocation
 from sim.des import WorkloadSpec, simulate
 from sim.trace import DEFAULT_T0_US, call_rows, write_trace
 from tests.optimizer.conftest import call
+from tests.optimizer.control.test_step import _points as step_points
 
 T0 = DEFAULT_T0_US / 1e6
 RAG_MODELS = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
-# Synthetic full-GPU profiles: light-load latency (s) and saturation (calls/s) per model.
-CURVES = {"e5-base-v2": (0.01, 200.0), "bge-reranker-base": (0.05, 60.0), "llama-3-8b": (1.0, 6.0)}
 
 
 class FakeBackend:
@@ -118,45 +116,8 @@ def _settings_doc(store: Path, **optimizer: Any) -> dict[str, Any]:
 
 
 def _profiles(store: Path) -> None:
-    points = []
-    for model, (light, sat) in CURVES.items():
-        for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
-            lat = light / (1.0 - 0.8 * frac)
-            points.append(
-                ProfilePoint(
-                    model,
-                    "emulator",
-                    "a6000",
-                    1,
-                    1.0,
-                    frac * sat,
-                    frac * sat,
-                    lat,
-                    lat,
-                    1.3 * lat,
-                    1.6 * lat,
-                    0.2 * lat,
-                    500,
-                )
-            )
-        points.append(
-            ProfilePoint(
-                model,
-                "emulator",
-                "a6000",
-                1,
-                1.0,
-                1.3 * sat,
-                sat,
-                10 * light,
-                10 * light,
-                12 * light,
-                15 * light,
-                light,
-                500,
-            )
-        )
-    save_points(store, points)
+    """The synthetic RAG curves the control step's tests use, stored."""
+    save_points(store, step_points())
 
 
 def _trace(store: Path, phases: Sequence[tuple[float, float]]) -> None:
