@@ -28,6 +28,7 @@ from shared.cluster import cluster_from_settings as daemon_cluster
 from shared.records import CallRecord
 from shared.settings import Settings, settings_from_mapping
 from shared.store import SegmentWriter
+from tests.loopback import serving
 from tests.optimizer.control.test_step import _stats
 from tests.optimizer.daemon.test_daemon import (
     RAG_MODELS,
@@ -67,14 +68,8 @@ async def engine() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 class ProfilingBackend(FakeBackend):

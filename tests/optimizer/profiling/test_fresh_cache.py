@@ -27,6 +27,7 @@ from optimizer.profiling.window import (
 from shared.profile_points import ProfilePoint, import_json
 from shared.records import CallRecord
 from shared.store import SegmentWriter
+from tests.loopback import serving
 from tests.optimizer.profiling.test_profiler import _rows, _workload_rows, untagged
 
 S = 1_000_000
@@ -103,14 +104,8 @@ async def caching_engine() -> AsyncIterator[tuple[str, list[str]]]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", log
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, log
 
 
 def _agent_rows(n: int) -> list[CallRecord]:

@@ -32,6 +32,7 @@ from optimizer.store.profiles import load_points, save_points
 from shared.profile_points import ProfilePoint, export_json
 from shared.records import CallRecord
 from shared.store import SegmentWriter
+from tests.loopback import serving
 
 S = 1_000_000
 SLOTS, SERVICE_S = 8, 0.05  # the fake serves 8 calls at once, 50 ms each: 160 calls/s
@@ -98,14 +99,8 @@ async def fake_engine() -> AsyncIterator[tuple[str, list[tuple[str, float, float
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", log
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, log
 
 
 def untagged(text: str) -> str:
