@@ -65,14 +65,9 @@ from bench.evaluation.setup import (
 from optimizer.control.proposal import cluster_without, search_problem
 from optimizer.control.step import RECENT_S, ControlState, StepInput, step
 from optimizer.daemon.service import US, first_call_us, recent_models, window_stats
-from optimizer.plan.planner import (
-    GroupSpec,
-    Observed,
-    Plan,
-    Route,
-    RunningReplica,
-    target_from_placement,
-)
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.planner import Plan
+from optimizer.plan.target import GroupSpec, target_from_placement
 from optimizer.search.solve import search_and_place
 from shared.cluster import GB, Cluster, cluster_from_settings, settings_mapping
 from shared.settings import Settings, StoreSettings, settings_from_mapping

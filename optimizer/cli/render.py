@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from optimizer.placement import Placement, PlacementError, ReplicaDemand, place
-from optimizer.plan import planner
-from optimizer.plan.planner import GroupSpec
+from optimizer.plan import target as plan_target
+from optimizer.plan.target import GroupSpec
 from optimizer.rollout.kube import render
 from shared.cluster import GB, Cluster, ClusterError, cluster_from_settings
 from shared.rollout_settings import AllocationEntry, RolloutSettings
@@ -61,7 +61,7 @@ def target_for(
         where = f"scenario {scenario!r}" if scenario else "rollout.allocation"
         raise SettingsError(where, "is empty: nothing to place")
     placement = place(cluster, demands(rollout, allocation))
-    return placement, planner.target_from_placement(placement, rollout.revisions())
+    return placement, plan_target.target_from_placement(placement, rollout.revisions())
 
 
 def _table(target: tuple[GroupSpec, ...]) -> Table:

@@ -27,7 +27,8 @@ from optimizer.model import alp
 from optimizer.model.alp import ModelAlloc, Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
-from optimizer.plan.planner import Observed, Plan
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import Plan
 from optimizer.search.solve import SearchProblem, SearchResult, WorkflowTarget
 from optimizer.stats.figures import WorkflowStats
 from shared.cluster import GB, Cluster, Node, NvlinkDomain

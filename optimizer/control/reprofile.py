@@ -37,7 +37,7 @@ from typing import Literal
 
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
-from optimizer.plan.planner import RunningReplica
+from optimizer.plan.observed import RunningReplica
 from optimizer.stats.figures import WorkflowStats
 from shared.cluster import Cluster
 from shared.optimizer_settings import ReprofileSettings

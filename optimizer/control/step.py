@@ -68,7 +68,9 @@ from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement, PlacementError, place
 from optimizer.plan import planner
-from optimizer.plan.planner import Observed, Plan
+from optimizer.plan import target as plan_target
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import Plan
 from optimizer.search import solve
 from optimizer.search.solve import SearchResult
 from optimizer.stats.figures import WorkflowStats
@@ -293,7 +295,9 @@ def safe_plan(
     ``search_cluster``'s GPUs listed in other orders) whose plan leaves no served model without
     a replica, with the layout it goes to; :class:`PlanningError` if none does."""
     revisions = settings.rollout.revisions()
-    plan = planner.make_plan(observed, planner.target_from_placement(placement, revisions), cluster)
+    plan = planner.make_plan(
+        observed, plan_target.target_from_placement(placement, revisions), cluster
+    )
     if plan.safe:
         return plan, placement
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
@@ -303,7 +307,9 @@ def safe_plan(
             other = place(variant, demands)
         except PlacementError:
             continue
-        alt = planner.make_plan(observed, planner.target_from_placement(other, revisions), cluster)
+        alt = planner.make_plan(
+            observed, plan_target.target_from_placement(other, revisions), cluster
+        )
         if alt.safe:
             return alt, other
     raise PlanningError(

@@ -35,7 +35,8 @@ from optimizer.control.reprofile import DriftSample, ReprofileRequest, Reprofile
 from optimizer.daemon.metrics import DaemonMetrics
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
-from optimizer.plan.planner import Observed, Plan
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import Plan
 from optimizer.profiling import auto
 from optimizer.profiling.auto import ReprofileOutcome
 from optimizer.profiling.window import SweepSettings

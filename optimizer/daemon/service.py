@@ -71,7 +71,8 @@ from optimizer.daemon.reprofiler import Reprofiler
 from optimizer.model import live
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
-from optimizer.plan.planner import Observed, Plan
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import Plan
 from optimizer.profiling.window import SweepSettings
 from optimizer.rollout.backend import Backend, execute
 from optimizer.search.solve import SearchResult

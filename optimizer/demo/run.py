@@ -54,7 +54,7 @@ from optimizer.demo.report import Pass, report_doc, write_report
 from optimizer.demo.view import render
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import ReplicaDemand, place
-from optimizer.plan import planner
+from optimizer.plan import target as plan_target
 from optimizer.rollout.backend import converge
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.store.decisions import load_decisions
@@ -316,7 +316,7 @@ async def _bootstrap(settings: Settings, backend: LocalBackend) -> None:
         for e in settings.rollout.allocation
         for _ in range(e.replicas)
     ]
-    target = planner.target_from_placement(place(usable, demands), settings.rollout.revisions())
+    target = plan_target.target_from_placement(place(usable, demands), settings.rollout.revisions())
     await converge(backend, target, cluster=cluster)
 
 

@@ -36,7 +36,7 @@ UNKNOWN_ENGINE = "unknown"  # engine of a model no replayed profile names
 
 
 class Replica(Protocol):
-    """What a backend observes of a replica (``optimizer.plan.planner.RunningReplica``)."""
+    """What a backend observes of a replica (``optimizer.plan.observed.RunningReplica``)."""
 
     @property
     def model(self) -> str: ...

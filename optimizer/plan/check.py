@@ -1,9 +1,9 @@
 """Dry-run of a rollout plan: walk its steps over a model of the state and check invariants.
 
 Role: pure. :func:`dry_run` replays a :class:`~optimizer.plan.planner.Plan` against the
-:class:`~optimizer.plan.planner.Observed` state it was made from, without a backend, and returns one
+:class:`~optimizer.plan.observed.Observed` state it was made from, without a backend, and returns one
 line per step (the step and how many routed replicas each model has after it), or raises
-:class:`~optimizer.plan.planner.PlanError` at the first broken invariant: a group starting on GPUs
+:class:`~optimizer.plan.target.PlanError` at the first broken invariant: a group starting on GPUs
 another present group holds; a step naming a group that is not running; a model the target
 serves losing its last routed replica when the plan did not declare that outage; an end state
 other than exactly the target, every target replica routed.
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from optimizer.plan.planner import Observed, Plan, PlanError, gpus_of
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import Plan, gpus_of
+from optimizer.plan.target import PlanError
 
 __all__ = ["dry_run"]
 

@@ -34,7 +34,8 @@ import orjson
 
 from optimizer.control.reprofile import PROFILING_PREFIX, ReprofileRequest, Slot
 from optimizer.model.curves import Profile, ProfileBook
-from optimizer.plan.planner import GroupSpec, Observed, ReplicaSpec, TargetReplica
+from optimizer.plan.observed import Observed
+from optimizer.plan.target import GroupSpec, ReplicaSpec, TargetReplica
 from optimizer.profiling import profiler, replay, window
 from optimizer.profiling.profiler import PointResult, ProfileRunError
 from optimizer.profiling.window import QUICK, SweepSettings, Target

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from optimizer.plan import planner
-from optimizer.plan.planner import GroupSpec, Observed, Plan, Route, RunningReplica, Step
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.planner import Plan, Step
+from optimizer.plan.target import GroupSpec
 from shared.cluster import Cluster
 
 __all__ = [

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from optimizer.plan.planner import GroupSpec, Observed, Route, RunningReplica
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.target import GroupSpec
 from optimizer.rollout.backend import RolloutError
 from optimizer.rollout.kube.render import (
     LABEL_COMPONENT,

@@ -1,6 +1,6 @@
 """Kubernetes manifests for a target placement (DESIGN §3.7): pure, dicts in the API's shape.
 
-Role: one Pod per GPU group (:class:`~optimizer.plan.planner.GroupSpec`) pinned to its node, one
+Role: one Pod per GPU group (:class:`~optimizer.plan.target.GroupSpec`) pinned to its node, one
 Service per replica, and the routes ConfigMap the proxies' route sync reads. The kubernetes
 backend applies them; ``scepsy render`` writes them.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from optimizer.plan.planner import GroupSpec, ReplicaSpec, TargetReplica
+from optimizer.plan.target import GroupSpec, ReplicaSpec, TargetReplica
 from shared.cluster import Cluster
 from shared.rollout_settings import KubernetesSettings, ModelServing, RolloutSettings
 

@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import aiohttp
 
-from optimizer.plan.planner import GroupSpec, Observed, Route, RunningReplica
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.target import GroupSpec
 from optimizer.rollout.backend import RolloutError
 from optimizer.rollout.local.engines import (
     GroupRecord,

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import orjson
 
-from optimizer.plan.planner import GroupSpec, ReplicaSpec, TargetReplica
+from optimizer.plan.target import GroupSpec, ReplicaSpec, TargetReplica
 from optimizer.rollout.kube.render import MIB, engine_command
 from shared.cluster import Cluster
 from shared.rollout_settings import LocalSettings, RolloutSettings

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from optimizer.plan.planner import Route
+from optimizer.plan.observed import Route
 from optimizer.rollout.backend import RolloutError
 
 __all__ = ["ProxyAdmin", "Table", "common_routes"]

@@ -21,7 +21,7 @@ from optimizer.control.reprofile import (
 )
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import PlacedReplica, Placement, ReplicaDemand
-from optimizer.plan.planner import RunningReplica
+from optimizer.plan.observed import RunningReplica
 from shared.cluster import Cluster
 from shared.optimizer_settings import ReprofileSettings
 from tests.optimizer.control.test_step import RAG, _points, _stats

@@ -13,7 +13,8 @@ from typing import Any
 from optimizer.control.decide import DetectorState
 from optimizer.control.step import ControlState, StepInput, StepOutput, step
 from optimizer.model.curves import ProfileBook
-from optimizer.plan.planner import Observed, Plan, Route, RunningReplica
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.planner import Plan
 from optimizer.stats.figures import ModelStats, TokenStats, WorkflowStats
 from shared.profile_points import ProfilePoint
 from shared.settings import Settings, settings_from_mapping

@@ -20,7 +20,8 @@ import yaml
 
 from optimizer.cli.run import serve
 from optimizer.daemon.service import Daemon, make_app
-from optimizer.plan.planner import GroupSpec, Observed, Route, RunningReplica
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.target import GroupSpec
 from optimizer.store.decisions import load_decisions
 from optimizer.store.profiles import save_points
 from shared import metric_names

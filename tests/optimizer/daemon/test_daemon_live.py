@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.daemon.service import Daemon
-from optimizer.plan.planner import RunningReplica
+from optimizer.plan.observed import RunningReplica
 from optimizer.store.profiles import load_points
 from shared.records import CallRecord
 from shared.store import SegmentWriter

@@ -19,7 +19,9 @@ from optimizer.daemon.metrics import DaemonMetrics
 from optimizer.daemon.reprofiler import Reprofiler
 from optimizer.daemon.service import Daemon
 from optimizer.model.curves import ProfileBook
-from optimizer.plan.planner import GroupSpec, Plan, RunningReplica, Step
+from optimizer.plan.observed import RunningReplica
+from optimizer.plan.planner import Plan, Step
+from optimizer.plan.target import GroupSpec
 from optimizer.profiling.window import SweepSettings
 from optimizer.store.decisions import load_decisions
 from optimizer.store.profiles import load_points

@@ -10,16 +10,13 @@ from hypothesis import strategies as st
 
 from optimizer.placement import PlacementError, ReplicaDemand, place
 from optimizer.plan.check import dry_run
-from optimizer.plan.planner import (
+from optimizer.plan.observed import Observed, Route, RunningReplica
+from optimizer.plan.planner import Plan, make_plan
+from optimizer.plan.target import (
     GroupSpec,
-    Observed,
-    Plan,
     PlanError,
     ReplicaSpec,
-    Route,
-    RunningReplica,
     group_specs,
-    make_plan,
     target_from_placement,
 )
 from shared.cluster import GB, Cluster

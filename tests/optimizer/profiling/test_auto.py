@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.control.reprofile import ReprofileRequest, Slot, is_profiling
-from optimizer.plan.planner import GroupSpec
+from optimizer.plan.target import GroupSpec
 from optimizer.profiling import auto
 from optimizer.profiling.window import QUICK, SweepSettings
 from optimizer.rollout.backend import RolloutError

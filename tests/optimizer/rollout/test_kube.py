@@ -14,7 +14,9 @@ import yaml
 
 from optimizer.cli import main as cli
 from optimizer.cli.render import target_for
-from optimizer.plan.planner import GroupSpec, Observed, make_plan
+from optimizer.plan.observed import Observed
+from optimizer.plan.planner import make_plan
+from optimizer.plan.target import GroupSpec
 from optimizer.rollout.backend import RolloutError, converge, execute
 from optimizer.rollout.kube.backend import KubeBackend
 from optimizer.rollout.kube.render import render_target

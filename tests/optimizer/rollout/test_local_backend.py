@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from optimizer.plan.planner import GroupSpec, ReplicaSpec, Route, group_specs
+from optimizer.plan.observed import Route
+from optimizer.plan.target import GroupSpec, ReplicaSpec, group_specs
 from optimizer.rollout.backend import RolloutError, StepResult, converge
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.rollout.local.engines import (
