@@ -14,12 +14,19 @@ Invariants:
   says so in ``scaled_from``;
 - curves are made from replay points only (``source="replay"``); live points
   (:mod:`optimizer.model.live`, ``source="live"``) correct the curve of their own key where
-  the replica ran (:meth:`Profile.corrected`): each latency statistic is scaled by the median,
-  over the live points, of live latency / curve latency at the live throughput, clipped to
-  ``[MIN_FACTOR, MAX_FACTOR]``, and ``T_m`` is raised only to a throughput a live point
-  sustained beyond it. The corrected curve says how many live points made it
-  (``corrected_by``). Live points of a model with no replayed curve make no curve; without
-  live points every curve is exactly the replayed one. The blend is pure and deterministic.
+  the replica ran (:meth:`Profile.corrected`) with one figure, the replica's *speed* ``s``
+  relative to the replay: the corrected curve serves ``s`` x the rate, and a call at rate λ
+  takes as long as one at λ/s did on the replay, x 1/s (the transform of a share, applied in
+  time). A slower replica (a neighbour's contention, longer outputs, a throttled or changed
+  engine) so loses capacity as well as latency, and a faster one gains both: a latency-only
+  factor would keep ``T_m`` where the replica no longer reaches it. Each live point gives the
+  ``s`` that puts the curve through its (throughput, mean latency); the curve takes their
+  median, clipped to ``[MIN_FACTOR, MAX_FACTOR]``. A point read past ``T_m`` raises ``T_m`` to
+  the throughput it sustained. The corrected curve says how many live points made it
+  (``corrected_by``) and the speed (``speed``). Live points of a model with no replayed curve
+  make no curve; without live points every curve is exactly the replayed one. The blend is
+  pure and deterministic (which live points count, the newest few per key, is the store's
+  rule: :mod:`optimizer.store.profiles`).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
 
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
 _SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
-MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far live points may move a replayed curve
+MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far live points may move a replayed curve's speed
+_SPEED_STEPS = 60  # bisection steps on log(speed): far below any measurement's precision
 Stat = Literal["mean", "p50", "p90", "p99"]
 _STATS: tuple[Stat, ...] = ("mean", "p50", "p90", "p99")
 FloatArray = npt.NDArray[np.float64]
@@ -61,6 +69,7 @@ class Profile:
     ttft_mean: float  # at the lightest load
     scaled_from: float | None = None  # the profiled share this curve was scaled from
     corrected_by: int = 0  # live points that corrected this curve (0: replay only)
+    speed: float = 1.0  # the live points' speed relative to the replay (1.0: replay only)
 
     @classmethod
     def from_points(cls, points: Sequence[ProfilePoint]) -> Profile:
@@ -101,14 +110,37 @@ class Profile:
         serves rx the rate, and a call at rate λ takes as long as one at λ/r did, x 1/r."""
         r = share / self.key.share
         return replace(
-            self,
+            self._timed(r),
             key=replace(self.key, share=share),
+            scaled_from=self.key.share if self.scaled_from is None else self.scaled_from,
+        )
+
+    def _timed(self, r: float) -> Profile:
+        """This curve run ``r`` x as fast: ``r`` x the rates, latencies x 1/r."""
+        return replace(
+            self,
             saturation=self.saturation * r,
             rates=self.rates * r,
             lat={k: v / r for k, v in self.lat.items()},
             ttft_mean=self.ttft_mean / r,
-            scaled_from=self.key.share if self.scaled_from is None else self.scaled_from,
         )
+
+    def speed_at(self, throughput: float, latency: float) -> float:
+        """The speed ``s`` at which this curve, run ``s`` x as fast, reads mean ``latency`` at
+        ``throughput``, within ``[MIN_FACTOR, MAX_FACTOR]``. ``L(λ/s)/s`` falls strictly as
+        ``s`` grows, so bisection on ``log s`` finds it; a reading past the curve's
+        saturation at every allowed speed gives the fastest allowed."""
+        lo, hi = math.log(MIN_FACTOR), math.log(MAX_FACTOR)
+        if latency <= 0 or not math.isfinite(latency):
+            return 1.0
+        for _ in range(_SPEED_STEPS):
+            mid = (lo + hi) / 2
+            s = math.exp(mid)
+            if float(self.latency(throughput / s)) / s > latency:
+                lo = mid  # slower than the reading at this speed: the replica runs faster
+            else:
+                hi = mid
+        return math.exp((lo + hi) / 2)
 
     def corrected(self, live: Sequence[ProfilePoint]) -> Profile:
         """This curve corrected by ``live`` points of its key (see the module docstring);
@@ -116,24 +148,18 @@ class Profile:
         if not live:
             return self
         pts = sorted(live, key=lambda p: (p.throughput, p.observed_at, p.lat_mean))
-        lat: dict[str, FloatArray] = {}
-        for stat in _STATS:
-            ratios = []
-            for p in pts:
-                base = float(self.latency(p.throughput, stat))
-                if math.isfinite(base) and base > 0:  # a point past T_m only raises T_m
-                    ratios.append(getattr(p, f"lat_{stat}") / base)
-            factor = statistics.median(ratios) if ratios else 1.0
-            lat[stat] = self.lat[stat] * min(MAX_FACTOR, max(MIN_FACTOR, factor))
-        rates, saturation = self.rates, self.saturation
+        speed = statistics.median(self.speed_at(p.throughput, p.lat_mean) for p in pts)
+        got = replace(self._timed(speed), corrected_by=len(pts), speed=speed)
         top = pts[-1]
-        if top.throughput >= saturation:  # sustained beyond T_m: the curve reaches it
-            rates = np.append(rates, top.throughput)
-            for stat in _STATS:
-                last = float(lat[stat][-1])
-                lat[stat] = np.append(lat[stat], max(last, float(getattr(top, f"lat_{stat}"))))
-            saturation = top.throughput * (1.0 + _SLIVER)
-        return replace(self, saturation=saturation, rates=rates, lat=lat, corrected_by=len(pts))
+        if top.throughput < got.saturation:
+            return got
+        # sustained beyond T_m even at the fastest allowed speed: the curve reaches it
+        rates = np.append(got.rates, top.throughput)
+        lat = {
+            stat: np.append(v, max(float(v[-1]), float(getattr(top, f"lat_{stat}"))))
+            for stat, v in got.lat.items()
+        }
+        return replace(got, saturation=top.throughput * (1.0 + _SLIVER), rates=rates, lat=lat)
 
 
 class ProfileBook:

@@ -160,23 +160,47 @@ def live(
     )  # fmt: skip
 
 
-def test_live_points_at_half_the_replayed_latency_halve_the_curve() -> None:
+def at_speed(rate: float, speed: float, t: float = 1000.0) -> ProfilePoint:
+    """A live point of the same M/M/1 server running ``speed`` x as fast: 1 / (s mu - lambda)."""
+    return live(rate, (MU - rate) / (speed * MU - rate), t=t)
+
+
+def test_a_replica_at_half_speed_halves_the_capacity_and_stretches_the_curve() -> None:
     replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
-    book = ProfileBook([*mm1(), live(3.0, 0.5), live(5.0, 0.5, t=1001.0)])
-    got = book.lookup("gen", 1, 1.0)
-    assert got.corrected_by == 2 and replayed.corrected_by == 0
-    rates = np.array([1.0, 4.0, 8.0])
+    got = ProfileBook([*mm1(), at_speed(2.0, 0.5), at_speed(3.0, 0.5, t=1001.0)]).lookup(
+        "gen", 1, 1.0
+    )
+    assert got.corrected_by == 2 and replayed.corrected_by == 0 and replayed.speed == 1.0
+    assert got.speed == pytest.approx(0.5, rel=0.03)
+    assert got.saturation == pytest.approx(replayed.saturation * got.speed)
+    rates = np.array([0.5, 2.0, 4.0])
     for stat in ("mean", "p50", "p90", "p99"):
-        assert got.latency(rates, stat) == pytest.approx(replayed.latency(rates, stat) * 0.5)
-    assert got.saturation == replayed.saturation
+        assert got.latency(rates, stat) == pytest.approx(
+            replayed.latency(rates / got.speed, stat) / got.speed
+        )
+    # the corrected curve passes through what the replica read, and near saturation it is the
+    # slow server's (a latency-only factor would read 2 x 1/(10-4.5) = 0.36 s there, not ~2 s)
+    assert got.latency(3.0) == pytest.approx(1 / (5.0 - 3.0), rel=0.05)
+    assert got.latency(4.5) > 1.0 and not np.isfinite(got.latency(5.5))
+
+
+def test_light_load_readings_move_latency_by_their_ratio() -> None:
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    got = ProfileBook([*mm1(), live(1.0, 0.5)]).lookup("gen", 1, 1.0)
+    # at the lightest replayed point the curve is flat below: the speed is the latency ratio
+    assert got.speed == pytest.approx(2.0, rel=1e-6)
+    assert got.latency(1.0) == pytest.approx(float(replayed.latency(1.0)) * 0.5)
+
+
+def test_the_median_reading_wins_over_one_outlier() -> None:
+    pts = [at_speed(2.0, 0.8, t=1000.0), at_speed(3.0, 0.8, t=1001.0), live(2.5, 30.0, t=1002.0)]
+    assert ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0).speed == pytest.approx(0.8, rel=0.05)
 
 
 def test_the_correction_is_clipped() -> None:
-    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
-    slow = ProfileBook([*mm1(), live(3.0, 10.0)]).lookup("gen", 1, 1.0)
-    fast = ProfileBook([*mm1(), live(3.0, 0.01)]).lookup("gen", 1, 1.0)
-    assert slow.latency(4.0) == pytest.approx(replayed.latency(4.0) * 4.0)
-    assert fast.latency(4.0) == pytest.approx(replayed.latency(4.0) * 0.25)
+    slow = ProfileBook([*mm1(), live(1.0, 1000.0)]).lookup("gen", 1, 1.0)
+    fast = ProfileBook([*mm1(), live(3.0, 0.001)]).lookup("gen", 1, 1.0)
+    assert slow.speed == pytest.approx(0.25) and fast.speed == pytest.approx(4.0)
 
 
 def test_a_scaled_curve_is_corrected_by_live_points_of_its_own_key() -> None:
@@ -185,19 +209,16 @@ def test_a_scaled_curve_is_corrected_by_live_points_of_its_own_key() -> None:
     got = book.lookup("gen", 1, 0.5)
     assert got.scaled_from == 1.0 and got.corrected_by == 1
     # the live point read 1/(10-2) = 0.125 s at 2 calls/s: the scaled curve moves onto it
-    factor = 0.125 / float(plain.latency(2.0))
-    assert got.latency(2.0) == pytest.approx(0.125)
-    assert got.latency(1.0) == pytest.approx(plain.latency(1.0) * factor)
+    assert got.latency(2.0) == pytest.approx(0.125, rel=1e-6)
+    assert got.latency(1.0) == pytest.approx(plain.latency(1.0 / got.speed) / got.speed)
     assert book.lookup("gen", 1, 0.25).corrected_by == 0  # not where the replica ran
 
 
-def test_a_live_point_beyond_saturation_raises_it_and_nothing_else() -> None:
-    replayed = ProfileBook(mm1(share=0.5, mu=6.0)).lookup("gen", 1, 0.5)
-    extra = replace(live(0.0, 1.0, share=0.5), offered_rate=7.0, throughput=7.0, lat_mean=2.0)
+def test_a_live_point_beyond_saturation_raises_it() -> None:
+    extra = replace(live(0.0, 1.0, share=0.5), offered_rate=30.0, throughput=30.0, lat_mean=2.0)
     got = ProfileBook([*mm1(share=0.5, mu=6.0), extra]).lookup("gen", 1, 0.5)
-    assert got.saturation == pytest.approx(7.0)
-    assert np.isfinite(got.latency(6.5)) and got.latency(3.0) == replayed.latency(3.0)
-    assert got.latency(7.0) >= got.latency(6.0)
+    assert got.saturation == pytest.approx(30.0)  # 4 x faster would still stop at 24
+    assert np.isfinite(got.latency(29.0)) and got.latency(30.0) >= got.latency(20.0)
 
 
 def test_live_points_alone_make_no_curve_and_none_leave_the_book_as_it_was() -> None:
