@@ -1,0 +1,386 @@
+"""Benchmark: the ALP's predictions for the allocations the search picks and for a held-out set,
+against the discrete-event simulator (every measured figure here is *simulated*).
+
+``python -m bench.accuracy.alp_picks --out DIR [--quick] [--profiles-from FILE]`` prints a JSON
+summary and writes ``DIR/alp_picks.json`` (and ``DIR/profiles.json`` once profiling ends, for
+``--profiles-from``). Two sets, reported apart from each other and from
+``bench.accuracy.alp_accuracy``'s fitted set (``bench.accuracy.pick_sets`` defines them):
+``search_picks`` (the product's search at 4, 8 and 16 GPUs and several rates per workflow)
+and ``held_out`` (fractional verifier and 8B, shares 0.2/0.25/0.75, different models sharing
+a GPU).
+
+Per workflow (beam, RAG, fan-out: ``bench.accuracy.alp_accuracy``'s cases) the trace and the
+profiles are the fitted bench's own (``_trace``, ``_profile_jobs``) over the fitted set's keys
+only: whole GPUs, 0.5 shares of the small models, TP 2 of the 8B ones. Every other share is
+derived by the product's share model, and each allocation records per model whether its curve
+was measured or scaled. For every allocation: predicted ``T_w`` and the mean latency at
+20..80% of it (``optimizer.model.alp``), the simulated truth from ``bench.accuracy.alp_truth``
+(the same jobs, seeds and run-length rules as the fitted bench), and at the highest latency
+load a per-model check (``pick_sets.stage_check``): each model's simulated call latency
+against the curve's. Summary per set and workflow: max and median relative error of
+throughput and of mean latency at <= 80% load; targets 10% and 15%.
+
+``--quick`` (a smoke run, under ten minutes on two cores): 4 GPUs only, two rates, two
+held-out allocations per workflow, two loads, the fitted bench's quick windows; its errors are
+indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.accuracy import pick_sets
+from bench.accuracy.alp_accuracy import (
+    GPU,
+    LATENCY_LOAD_MAX,
+    PROFILES_FILE,
+    SETTLE_LATENCIES,
+    TARGETS,
+    _cases,
+    _job_key,
+    _profile_docs,
+    _profile_jobs,
+    _reused_points,
+    _trace,
+    latency_seed,
+    quick_cases,
+)
+from bench.accuracy.alp_truth import (
+    CAP_PRECISION,
+    CAP_PRECISION_QUICK,
+    LATENCY_SE,
+    LATENCY_SE_QUICK,
+    EvalJob,
+    evaluate,
+)
+from bench.accuracy.cases import Case
+from optimizer.model.alp import ModelAlloc, Pipeline, predict
+from optimizer.model.curves import ProfileBook
+from sim.profiling import run_profile
+
+LOADS, QUICK_LOADS = (0.2, 0.4, 0.6, 0.8), (0.4, 0.8)  # of predicted T_w
+MAX_WORKERS = 2  # the bench shares two cores
+SETS = ("search_picks", "held_out")
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _err(pred: float, sim: float) -> float:
+    return abs(pred - sim) / sim if sim > 0 else float("inf")
+
+
+def summary(throughput_errors: Sequence[float], latency_errors: Sequence[float]) -> dict[str, Any]:
+    """Max and median relative error of max throughput and of mean latency (<= 80% load)."""
+
+    def stats(xs: Sequence[float]) -> tuple[float, float]:
+        return (max(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
+
+    t_max, t_med = stats(throughput_errors)
+    l_max, l_med = stats(latency_errors)
+    return {
+        "throughput_error_max": t_max,
+        "throughput_error_median": t_med,
+        "latency_error_max": l_max,
+        "latency_error_median": l_med,
+        "allocations": len(throughput_errors),
+        "latency_points": len(latency_errors),
+        "meets_targets": t_max <= TARGETS["throughput_error_max"]
+        and l_max <= TARGETS["latency_error_max"],
+    }
+
+
+def _doc(alloc: pick_sets.Alloc) -> dict[str, dict[str, float]]:
+    return {m: {"replicas": d, "tp": tp, "share": s} for m, (d, tp, s) in alloc.items()}
+
+
+def _allocation(alloc: pick_sets.Alloc) -> dict[str, ModelAlloc]:
+    return {m: ModelAlloc(d, tp, s) for m, (d, tp, s) in alloc.items()}
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What the optimizer knows of one workflow after tracing and profiling."""
+
+    case: Case  # the workflow's case (quick or full run lengths)
+    pipe: Pipeline
+    book: ProfileBook
+    settle_s: float  # a few light-load request latencies: the pipeline's fill
+
+
+def learn(
+    pool: Executor, cases: Sequence[Case], quick: bool, reused_from: Path | None, out: Path
+) -> tuple[dict[str, Learned], list[dict[str, Any]]]:
+    """Trace and profile every workflow over the fitted set's keys (reusing the points of
+    ``reused_from`` where it holds a key), write the profiling checkpoint to ``out``; the
+    knowledge per workflow and the profile points as documents."""
+    keyed = {c.workflow: c.allocations for c in _cases()}
+    run = quick_cases(cases) if quick else list(cases)
+    traced = list(pool.map(_trace, run))
+    jobs = [
+        job
+        for case, (stats, info) in zip(run, traced, strict=True)
+        for job in _profile_jobs(
+            replace(case, allocations=keyed[case.workflow]), stats, info, quick
+        )
+    ]
+    reused = _reused_points(reused_from)
+    done = {j: reused[_job_key(job)] for j, job in enumerate(jobs) if _job_key(job) in reused}
+    # longest first, so the pool does not end on one long job
+    order = sorted(
+        (j for j in range(len(jobs)) if j not in done), key=lambda j: -jobs[j].target_calls
+    )
+    _progress(f"traced; profiling {len(order)} keys ({len(done)} reused)")
+    done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
+    profiled = [done[j] for j in range(len(jobs))]
+    docs = _profile_docs(jobs, profiled)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PROFILES_FILE).write_bytes(
+        orjson.dumps(
+            {"label": "simulated", "quick": quick, "profile_points": docs},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+        )
+    )
+    learned = {
+        case.workflow: Learned(
+            case,
+            Pipeline.from_stats(stats),
+            ProfileBook(
+                p
+                for job, pts in zip(jobs, profiled, strict=True)
+                if job.case.workflow == case.workflow
+                for p in pts
+            ),
+            SETTLE_LATENCIES * info["latency_mean_s"],
+        )
+        for case, (stats, info) in zip(run, traced, strict=True)
+    }
+    return learned, docs
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One allocation to judge: its set, where it came from, and the Case that holds it."""
+
+    workflow: str
+    set: str
+    index: int  # in ``case.allocations``
+    case: Case  # the workflow's case holding every judged allocation (alp_truth indexes it)
+    context: dict[str, Any]
+
+
+def judged_allocations(k: Learned, quick: bool) -> list[Judged]:
+    """One workflow's allocations: the search's distinct picks, then the held-out ones."""
+    sizes = pick_sets.QUICK_SIZES if quick else pick_sets.SIZES
+    fractions = pick_sets.QUICK_RATE_FRACTIONS if quick else pick_sets.RATE_FRACTIONS
+    held = pick_sets.HELD_OUT[k.case.workflow]
+    entries: list[tuple[str, pick_sets.Alloc, dict[str, Any]]] = [
+        ("search_picks", p.allocation, {"picked_at": list(p.picked_at)})
+        for p in pick_sets.search_picks(k.pipe, k.book, sizes, fractions)
+    ]
+    entries += [("held_out", a, {}) for a in (held[: pick_sets.QUICK_HELD_OUT] if quick else held)]
+    case = replace(k.case, allocations=[a for _, a, _ in entries])
+    return [Judged(case.workflow, s, i, case, ctx) for i, (s, _, ctx) in enumerate(entries)]
+
+
+def eval_jobs(k: Learned, j: Judged, quick: bool) -> list[EvalJob]:
+    """The capacity job and the latency jobs (at ``LOADS`` of predicted ``T_w``) of ``j``, with
+    the fitted bench's seeds and run lengths."""
+    lengths: dict[str, Any] = (
+        {"cap_stretches": 0, "latency_window_latencies": 0.0, "replications": 1} if quick else {}
+    )
+    cap = predict(k.pipe, k.book, _allocation(j.case.allocations[j.index]), 0.0).throughput
+    i = j.index
+    out = [
+        EvalJob(
+            j.case,
+            i,
+            1.0,
+            "capacity",
+            cap,
+            seed=100 + 10 * i,
+            settle_s=k.settle_s,
+            precision=CAP_PRECISION_QUICK if quick else CAP_PRECISION,
+            **lengths,
+        )
+    ]
+    for n, f in enumerate(QUICK_LOADS if quick else LOADS):
+        out.append(
+            EvalJob(
+                j.case,
+                i,
+                f,
+                "latency",
+                f * cap,
+                seed=latency_seed(i, n),
+                settle_s=k.settle_s,
+                latency_se=LATENCY_SE_QUICK if quick else LATENCY_SE,
+                **lengths,
+            )
+        )
+    return out
+
+
+def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
+    """``pick_sets.stage_check`` at a latency job's rate, over the case's latency-run length."""
+    alloc = job.case.allocations[job.alloc_index]
+    pred = predict(k.pipe, k.book, _allocation(alloc), job.rate)
+    n = job.case.eval_requests * 2
+    warmup = max(k.settle_s, 0.1 * n / max(job.rate, 1e-9))
+    return pick_sets.stage_check(job.case, alloc, pred, n, warmup, job.seed)
+
+
+def _point_docs(
+    k: Learned, j: Judged, jobs: Sequence[EvalJob], sims: Sequence[dict[str, Any]]
+) -> tuple[dict[str, Any], float, list[float]]:
+    alloc = j.case.allocations[j.index]
+    allocation = _allocation(alloc)
+    doc: dict[str, Any] = {
+        "set": j.set,
+        "allocation": _doc(alloc),
+        "curves": pick_sets.provenance(k.book, alloc),
+        **j.context,
+        "latency": [],
+    }
+    thr_err = math.nan
+    lat_errs: list[float] = []
+    for ev, sim in zip(jobs, sims, strict=True):
+        if ev.kind == "capacity":
+            thr_err = _err(ev.rate, sim["capacity"])
+            doc["throughput"] = {
+                "predicted": ev.rate,
+                "simulated": sim["capacity"],
+                "error": thr_err,
+                "simulated_kept_up_at": sim["kept_up_at"],
+                "simulated_overloaded_at": sim["overloaded_at"],
+                "simulated_backlog_throughput": sim["backlog_throughput"],
+            }
+            continue
+        pred = predict(k.pipe, k.book, allocation, ev.rate)
+        err = _err(pred.latency, sim["latency_mean"])
+        if ev.fraction <= LATENCY_LOAD_MAX + 1e-9:
+            lat_errs.append(err)
+        doc["latency"].append(
+            {
+                "load": ev.fraction,
+                "rate": ev.rate,
+                "predicted": pred.latency,
+                "simulated": sim["latency_mean"],
+                "simulated_se": sim["latency_se"],
+                "error": err,
+                "bottleneck": pred.bottleneck,
+                "requests": sim["requests"],
+            }
+        )
+    return doc, thr_err, lat_errs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quick", action="store_true", help="a smoke run (see the module doc)")
+    ap.add_argument("--workers", type=int, default=MAX_WORKERS, help=f"at most {MAX_WORKERS}")
+    ap.add_argument("--workflows", nargs="*", choices=[c.workflow for c in _cases()])
+    ap.add_argument(
+        "--profiles-from",
+        type=Path,
+        help="an earlier run's alp_picks.json, alp_accuracy.json or profiles.json (same mode): "
+        "reuse its profile points for the keys it holds, profile the rest",
+    )
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
+    with ProcessPoolExecutor(max_workers=max(1, min(args.workers, MAX_WORKERS))) as pool:
+        learned, docs = learn(pool, cases, args.quick, args.profiles_from, args.out)
+        profile_s = time.perf_counter() - started
+        judged = [j for k in learned.values() for j in judged_allocations(k, args.quick)]
+        jobs = {id(j): eval_jobs(learned[j.workflow], j, args.quick) for j in judged}
+        flat = [ev for j in judged for ev in jobs[id(j)]]
+        # capacity jobs first: each is a sequence of runs, the longest jobs
+        order = sorted(range(len(flat)), key=lambda n: flat[n].kind != "capacity")
+        _progress(f"profiled in {profile_s:.0f} s; {len(judged)} allocations, {len(flat)} jobs")
+        results: dict[int, dict[str, Any]] = {}
+        for count, (n, sim) in enumerate(
+            zip(order, pool.map(evaluate, [flat[n] for n in order], chunksize=1), strict=True), 1
+        ):
+            results[n] = sim
+            ev = flat[n]
+            _progress(
+                f"{count}/{len(flat)} {ev.case.workflow} allocation {ev.alloc_index} {ev.kind} "
+                f"{ev.fraction:.1f} ({time.perf_counter() - started:.0f} s)"
+            )
+        # the per-model check at each allocation's highest load at or under LATENCY_LOAD_MAX
+        tops = [
+            max(
+                (
+                    ev
+                    for ev in jobs[id(j)]
+                    if ev.kind == "latency" and ev.fraction <= LATENCY_LOAD_MAX + 1e-9
+                ),
+                key=lambda ev: ev.fraction,
+            )
+            for j in judged
+        ]
+        stages = list(
+            pool.map(_stage_check, tops, [learned[j.workflow] for j in judged], chunksize=1)
+        )
+    sims = [results[n] for n in range(len(flat))]
+    report: dict[str, Any] = {
+        "label": "simulated",
+        "gpu": GPU,
+        "quick": args.quick,
+        "profiles_reused_from": str(args.profiles_from or ""),
+        "targets": TARGETS,
+        "profiled_keys": "the fitted set's (bench.accuracy.alp_accuracy): other shares are scaled",
+        "sets": {s: {} for s in SETS},
+        "summary": {s: {} for s in SETS},
+    }
+    pos = 0
+    errors: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for j, stage in zip(judged, stages, strict=True):
+        js = jobs[id(j)]
+        doc, thr, lat = _point_docs(learned[j.workflow], j, js, sims[pos : pos + len(js)])
+        pos += len(js)
+        doc["stage_check"] = {
+            "load": max(
+                ev.fraction
+                for ev in js
+                if ev.kind == "latency" and ev.fraction <= LATENCY_LOAD_MAX + 1e-9
+            ),
+            "models": stage,
+        }
+        report["sets"][j.set].setdefault(j.workflow, []).append(doc)
+        thr_errors, lat_errors = errors.setdefault((j.set, j.workflow), ([], []))
+        thr_errors.append(thr)
+        lat_errors.extend(lat)
+    for (s, wf), (thr_errors, lat_errors) in sorted(errors.items()):
+        report["summary"][s][wf] = summary(thr_errors, lat_errors)
+    report["profile_points"] = docs
+    report["profile_s"] = round(profile_s, 1)
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    (args.out / "alp_picks.json").write_bytes(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    )
+    print(
+        orjson.dumps(
+            {k: report[k] for k in ("label", "quick", "summary", "wall_s")},
+            option=orjson.OPT_INDENT_2,
+        ).decode()
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
