@@ -14,16 +14,18 @@ Invariants:
   says so in ``scaled_from``;
 - curves are made from replay points only (``source="replay"``); live points
   (:mod:`optimizer.model.live`, ``source="live"``) correct the curve of their own key where
-  the replica ran (:meth:`Profile.corrected`) with one figure, the replica's *speed* ``s``
-  relative to the replay: the corrected curve serves ``s`` x the rate, and a call at rate λ
-  takes as long as one at λ/s did on the replay, x 1/s (the transform of a share, applied in
-  time). A slower replica (a neighbour's contention, longer outputs, a throttled or changed
-  engine) so loses capacity as well as latency, and a faster one gains both: a latency-only
-  factor would keep ``T_m`` where the replica no longer reaches it. Each live point gives the
-  ``s`` that puts the curve through its (throughput, mean latency); the curve takes their
-  median, clipped to ``[MIN_FACTOR, MAX_FACTOR]``. A point read past ``T_m`` raises ``T_m`` to
-  the throughput it sustained. The corrected curve says how many live points made it
-  (``corrected_by``) and the speed (``speed``). Live points of a model with no replayed curve
+  the replica ran (:meth:`Profile.corrected`). Each live point gives the replica's *speed*
+  ``s``: the curve run ``s`` x as fast (``s`` x the rate; a call at rate λ takes as long as one
+  at λ/s did on the replay, x 1/s: a share's transform, in time) passes through its
+  (throughput, mean latency); the book takes the median, clipped to ``[MIN_FACTOR,
+  MAX_FACTOR]``. Capacity is lowered by a slow reading and raised only by throughput sustained:
+  a replica slower than its replay (``s < 1``: a neighbour's contention, longer outputs, a
+  throttled or changed engine) gets the whole slower curve, ``T_m`` included; a faster one
+  (``s > 1``: idle neighbours, shorter calls, more cache hits than the replay saw) gets the
+  latency its points read up to their median throughput, fading (in log) back to the replayed
+  curve at the replay's highest point, and keeps ``T_m``, unless a point read past ``T_m``
+  raises it to the throughput it sustained. The corrected curve says how many live points made
+  it (``corrected_by``) and their speed (``speed``). Live points of a model with no replayed curve
   make no curve; without live points every curve is exactly the replayed one. The blend is
   pure and deterministic (which live points count, the newest few per key, is the store's
   rule: :mod:`optimizer.store.profiles`).
@@ -45,6 +47,7 @@ from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
 _SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far live points may move a replayed curve's speed
+_FADE_KNOTS = 9  # knots between the live load and the top, where a faster reading fades
 _SPEED_STEPS = 60  # bisection steps on log(speed): far below any measurement's precision
 Stat = Literal["mean", "p50", "p90", "p99"]
 _STATS: tuple[Stat, ...] = ("mean", "p50", "p90", "p99")
@@ -142,6 +145,24 @@ class Profile:
                 hi = mid
         return math.exp((lo + hi) / 2)
 
+    def _faded(self, speed: float, load: float) -> Profile:
+        """This curve with the latency it has at ``speed`` up to ``load`` (calls/s), the ratio
+        fading (in log) to 1 at the highest replayed rate; ``T_m`` kept."""
+        top = float(self.rates[-1])
+        base = float(self.latency(load))
+        if not load < top or not base > 0:  # nothing below T_m to correct
+            return self
+        ratio = float(self._timed(speed).latency(load)) / base
+        grid = np.union1d(self.rates, np.linspace(load, top, _FADE_KNOTS))
+        weight = np.clip((top - grid) / (top - load), 0.0, 1.0)  # 1 up to load, 0 at the top
+        factor = np.exp(math.log(ratio) * weight)
+        lat = {
+            k: np.maximum.accumulate(np.interp(grid, self.rates, v) * factor)
+            for k, v in self.lat.items()
+        }
+        ttft = self.ttft_mean * float(factor[0])
+        return replace(self, rates=grid, lat=lat, ttft_mean=ttft)
+
     def corrected(self, live: Sequence[ProfilePoint]) -> Profile:
         """This curve corrected by ``live`` points of its key (see the module docstring);
         itself when there are none."""
@@ -149,7 +170,11 @@ class Profile:
             return self
         pts = sorted(live, key=lambda p: (p.throughput, p.observed_at, p.lat_mean))
         speed = statistics.median(self.speed_at(p.throughput, p.lat_mean) for p in pts)
-        got = replace(self._timed(speed), corrected_by=len(pts), speed=speed)
+        if speed <= 1.0:
+            got = self._timed(speed)
+        else:
+            got = self._faded(speed, statistics.median(p.throughput for p in pts))
+        got = replace(got, corrected_by=len(pts), speed=speed)
         top = pts[-1]
         if top.throughput < got.saturation:
             return got

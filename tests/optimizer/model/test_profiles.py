@@ -192,6 +192,17 @@ def test_light_load_readings_move_latency_by_their_ratio() -> None:
     assert got.latency(1.0) == pytest.approx(float(replayed.latency(1.0)) * 0.5)
 
 
+def test_a_faster_reading_keeps_t_m_and_fades_back_to_the_replay_at_the_top() -> None:
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    got = ProfileBook([*mm1(), live(3.0, 0.6)]).lookup("gen", 1, 1.0)
+    assert got.speed > 1.0 and got.saturation == replayed.saturation
+    assert got.latency(3.0) == pytest.approx(0.6 * float(replayed.latency(3.0)))
+    assert got.latency(10.0) == pytest.approx(float(replayed.latency(10.0)))
+    ratios = got.latency(np.array([3.0, 5.0, 7.0, 9.0])) / replayed.latency([3.0, 5.0, 7.0, 9.0])
+    assert np.all(np.diff(ratios) > 0) and np.all(ratios < 1.0)  # 0.6 fading towards 1
+    assert np.all(np.diff(got.latency(np.linspace(0, 9.99, 200))) >= 0)
+
+
 def test_the_median_reading_wins_over_one_outlier() -> None:
     pts = [at_speed(2.0, 0.8, t=1000.0), at_speed(3.0, 0.8, t=1001.0), live(2.5, 30.0, t=1002.0)]
     assert ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0).speed == pytest.approx(0.8, rel=0.05)
@@ -210,7 +221,8 @@ def test_a_scaled_curve_is_corrected_by_live_points_of_its_own_key() -> None:
     assert got.scaled_from == 1.0 and got.corrected_by == 1
     # the live point read 1/(10-2) = 0.125 s at 2 calls/s: the scaled curve moves onto it
     assert got.latency(2.0) == pytest.approx(0.125, rel=1e-6)
-    assert got.latency(1.0) == pytest.approx(plain.latency(1.0 / got.speed) / got.speed)
+    ratio = 0.125 / float(plain.latency(2.0))  # faster than scaled: the ratio holds below
+    assert got.latency(1.0) == pytest.approx(float(plain.latency(1.0)) * ratio)
     assert book.lookup("gen", 1, 0.25).corrected_by == 0  # not where the replica ran
 
 
