@@ -329,9 +329,14 @@ class Daemon:
         return replace(report, outcome=outcome, rollout_s=rollout_s)
 
     def _note_replicas(self, observed: Observed, now: float) -> None:
-        """Remember when each ready replica (by URL) was first seen; forget the others."""
-        ready = {r.url for r in observed.replicas if r.ready}
-        self._seen_since = {u: self._seen_since.get(u, now) for u in sorted(ready)}
+        """Remember since when each ready replica (by URL) runs: its engine's start where the
+        backend knows it (a restarted daemon learns from its first pass), else when this
+        daemon first saw it; forget the others."""
+        ready = {r.url: r.started_at for r in observed.replicas if r.ready}
+        self._seen_since = {
+            u: self._seen_since.get(u, min(now, t) if t is not None else now)
+            for u, t in sorted(ready.items())
+        }
 
     async def _learn(
         self, loads: tuple[ReplicaLoad, ...], observed: Observed

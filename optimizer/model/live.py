@@ -9,7 +9,10 @@ The profile book blends them with the replayed curve (:mod:`optimizer.model.curv
 
 Invariants (trust rules; :func:`verdict` names the one a load fails):
 - the load must match a replica that runs now (same model and URL), is ready, and was already
-  seen running when the window began (one started or replaced during it is skipped);
+  running when the window began (by its engine's start where the backend knows it, else by
+  when the daemon first saw it; one started or replaced during it is skipped), and it served
+  calls from the window's first half (an engine started before the window may have been
+  loading weights through part of it);
 - at least ``MIN_CALLS`` finished calls over a window at least ``min_window_s`` long;
 - not overloaded: calls started but not finished in the window at most ``MAX_BACKLOG`` of those
   started, and the mean latency of calls started in the window's second half at most
@@ -58,8 +61,8 @@ def verdict(
     seen_since: float | None,
     min_window_s: float,
 ) -> str | None:
-    """Why ``load`` is not trusted (``None``: it is). ``seen_since``: when the replica was
-    first seen running (epoch s)."""
+    """Why ``load`` is not trusted (``None``: it is). ``seen_since``: since when the replica
+    runs (epoch s)."""
     if replica is None:
         return "no running replica at this URL"
     if not replica.ready:
@@ -72,6 +75,8 @@ def verdict(
         return f"{load.finished} calls < {MIN_CALLS}"
     if not math.isfinite(load.lat_mean):
         return "no latency measured"
+    if not math.isfinite(load.lat_mean_early):  # started before, but serving only since
+        return "no call finished from the window's first half"
     if load.started - load.finished > MAX_BACKLOG * load.started:
         return f"overloaded: {load.started} calls started, {load.finished} finished"
     early, late = load.lat_mean_early, load.lat_mean_late

@@ -25,6 +25,8 @@ class RunningReplica:
     ready: bool
     memory_bytes_per_gpu: int = 0
     revision: str = ""
+    # when its engine process started (epoch s), where the backend knows; None: unknown
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,7 @@ class LocalBackend:
                     ok,
                     r.spec.memory_bytes_per_gpu,
                     r.spec.revision,
+                    p.started_at or None,
                 )
             )
         tables = await self.proxies.tables()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,20 @@ async def test_a_pass_saves_live_points_of_a_replica_running_the_whole_window(
     assert after.latency(2.0) == pytest.approx(0.5)
     text = daemon.metrics.exposition().decode()
     assert 'scepsy_optimizer_live_profile_points{model="llama-3-8b"} 1.0' in text
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_whose_engine_started_before_the_window_teaches_the_first_pass(
+    tmp_path: Path,
+) -> None:
+    _profiles(tmp_path)
+    _traffic(tmp_path, 200.0)
+    backend = _backend()
+    started = T0 - 60  # the backend knows the engine ran before the daemon did
+    backend.replicas["llama-0"] = replace(backend.replicas["llama-0"], started_at=started)
+    daemon = Daemon(_settings(tmp_path, apply=False), backend, clock=FakeClock(T0 + 100))
+    (point,) = (await daemon.tick()).live_points
+    assert point.lat_mean == pytest.approx(0.5)
 
 
 @pytest.mark.timeout(60)

@@ -73,6 +73,7 @@ def test_a_good_window_makes_one_live_point_of_the_replica_key() -> None:
         (_load(t_to_us=round((T0 + 15) * S)), "window"),
         (_load(started=120, finished=100), "overloaded"),
         (_load(lat_mean_early=0.4, lat_mean_late=0.9), "latency rose"),
+        (_load(lat_mean_early=math.nan), "first half"),
     ],
 )
 def test_too_few_calls_a_short_window_or_an_overload_make_no_point(
