@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -196,7 +197,10 @@ async def scenario_a(
         (r for r in rows if r.kind == "rollout" and r.outcome == "ok" and NEW_MODEL in r.planned),
         None,
     )
-    after = [] if rollout is None else [r for r in rows if r.window_from >= rollout.t]
+    # judged from the plan that serves the model: its rollout, or the plan itself when the
+    # search kept what runs (the bootstrap already serves the reranker)
+    judged_from = rollout or planned
+    after = [] if judged_from is None else [r for r in rows if r.window_from >= judged_from.t]
     accuracy: dict[str, dict[str, Any]] = {}
     for w in ("beam", "rag"):
         errors = [round(e, 4) for r in after if (e := rel_error(r, w)) is not None]
@@ -218,7 +222,7 @@ async def scenario_a(
         ),
         "reprofiles": runs,
         "points_of_new_model": _points(load_points(store, NEW_MODEL)),
-        "accuracy_after_rollout": accuracy,
+        "accuracy_after_plan": accuracy,
         "drivers": drivers,
         "passes": _rows_doc(rows),
     }
@@ -250,10 +254,10 @@ async def scenario_b(
     try:
         await stack.start(load_s)
         deadline = time.monotonic() + settle_max_s
-        while time.monotonic() < deadline:  # a rollout, then 3 passes without one
+        while time.monotonic() < deadline:  # planned, and no rollout in the last 4 passes
             await stack.watch(shape.interval_s)
-            done = [k for k, r in enumerate(stack.passes) if r.outcome == "ok"]
-            if done and len(stack.passes) - done[-1] > 3 and not stack.passes[-1].decision.taken:
+            kinds = [r.decision.kind for r in stack.passes]
+            if len(kinds) >= 8 and not {"rollout", "error", "no_data"} & set(kinds[-4:]):
                 break
         replica = await _choose(stack)
         assert stack.backend is not None
@@ -268,7 +272,8 @@ async def scenario_b(
     rows = [pass_row(r, t0, stack.settings.optimizer.settle_s) for r in stack.passes]
     t_restart = float(restart["t"])
     rolled = [r.t for r in rows if r.kind == "rollout" and r.t < t_restart]
-    before = [r for r in rows if rolled and r.window_from >= rolled[-1] and r.t < t_restart]
+    since = rolled[-1] if rolled else 0.0
+    before = [r for r in rows if r.window_from >= since and r.t < t_restart]
     slow = restart["model"]
     return {
         "restart": restart,
@@ -315,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--only", choices=("A", "B"), default=None, help="one scenario")
     args = p.parse_args(argv)
     shutil.rmtree(args.out / "runs", ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(  # the daemon's decisions and reprofiles, one line each
+        filename=args.out / "daemon.log",
+        filemode="w",
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     doc = asyncio.run(run(args.out, args.quick, args.only))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "self_correct.json").write_text(json.dumps(doc, indent=2, default=str))
