@@ -4,8 +4,9 @@ Role: from what the demo collected (the daemon's passes, its decision log, the l
 reports, the phases' times), build the JSON document (:func:`report_doc`) and write it with a
 markdown page and its plots (:func:`write_report`): arrival rates and rollouts over time,
 predicted vs observed latency per workflow, the GPU share per model before and after the
-shift, and per model how many profile points came from simulated replay and how many the daemon
-learned from live traffic (and whether they corrected its curves).
+shift, per model how many profile points came from simulated replay and how many the daemon
+learned from live traffic (which curves they corrected, and the replica's speed against the
+replay), and the profiling runs the daemon started on its own (model, key, why, when, how long).
 
 Invariants: ``report.json`` has at least ``rollouts``, ``failed_requests``, ``allocations``,
 ``predicted_vs_observed`` and ``problems`` (:func:`problems`: why the run showed less than the
@@ -24,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from optimizer.control.reprofile import ReprofileRun
 from optimizer.daemon.service import TickReport
 from optimizer.model.curves import ProfileBook
 from shared.profile_points import ProfileError, ProfilePoint
@@ -74,9 +76,11 @@ def report_doc(
     settings_doc: Mapping[str, Any],
     t0_wall: float,
     points: Sequence[ProfilePoint] = (),
+    reprofiles: Sequence[ReprofileRun] = (),
 ) -> dict[str, Any]:
     """``Pass.t`` is when the pass started, in seconds since the demo started; ``points``: the
-    profile points stored at the end (replayed and live)."""
+    profile points stored at the end (replayed and live); ``reprofiles``: the profiling runs
+    the daemon started."""
     shift = timeline.get("shift", math.inf)
     rollouts: list[dict[str, Any]] = []
     # When each allocation took effect: the bootstrap, then every rollout that succeeded.
@@ -176,6 +180,16 @@ def report_doc(
         "accuracy": accuracy(pvo),
         "decisions": kinds,
         "profile_points": profile_sources(points),
+        "reprofiles": [
+            {
+                "model": r.model,
+                "key": f"{r.gpu_type}/tp{r.tp}/{r.share:g}",
+                "reason": r.reason,
+                "started": round(r.started - t0_wall, 1),
+                "finished": None if r.finished is None else round(r.finished - t0_wall, 1),
+            }
+            for r in reprofiles
+        ],
         "timeline_s": dict(timeline),
         "started_at_epoch_s": t0_wall,
         "load": list(loads),
@@ -192,7 +206,7 @@ def report_doc(
 
 def profile_sources(points: Sequence[ProfilePoint]) -> dict[str, dict[str, Any]]:
     """Per model: points from replay and from live traffic, and the keys (``tp``/``share``)
-    whose curve live points corrected."""
+    whose curve live points corrected, each with the replica's speed against the replay."""
     book = ProfileBook(points)
     out: dict[str, dict[str, Any]] = {}
     for p in points:
@@ -204,7 +218,7 @@ def profile_sources(points: Sequence[ProfilePoint]) -> dict[str, dict[str, Any]]
         except ProfileError:  # live points of a model with no replayed curve correct nothing
             continue
         if prof.corrected_by:
-            out[key.model]["corrected"].append(f"tp{key.tp}/{key.share:g}")
+            out[key.model]["corrected"].append(f"tp{key.tp}/{key.share:g} x{prof.speed:.2f}")
     return dict(sorted(out.items()))
 
 
@@ -315,12 +329,27 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += [
         "## Profile points: replay vs live",
         "",
-        "| model | from simulated replay | from live traffic | curves corrected (tp/share) |",
+        "| model | from simulated replay | from live traffic | curves corrected "
+        "(tp/share x speed against the replay) |",
         "|---|---|---|---|",
     ]
     for model, n in doc.get("profile_points", {}).items():
         fixed = ", ".join(n["corrected"]) or "no"
         lines.append(f"| {model} | {n['replay']} | {n['live']} | {fixed} |")
+    lines += ["", "## Profiling runs the daemon started on its own", ""]
+    runs = doc.get("reprofiles", [])
+    if not runs:
+        lines.append(
+            "None: every model in traffic had a profile, every key the plans wanted was "
+            "measured, and no workflow's latency strayed from its prediction for long."
+        )
+    else:
+        lines += ["| model | key | why | started (s) | finished (s) |", "|---|---|---|---|---|"]
+        for r in runs:
+            end = "-" if r["finished"] is None else f"{r['finished']:.0f}"
+            lines.append(
+                f"| {r['model']} | {r['key']} | {r['reason']} | {r['started']:.0f} | {end} |"
+            )
     lines.append("")
     lines += [
         "## Predicted vs observed mean latency (windows that start after the allocation took effect)",

@@ -475,7 +475,9 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
         decisions = load_decisions(settings.store.path)
         timeline["total"] = time.monotonic() - t0
         points = load_points(settings.store.path)
-        report = report_doc(passes, decisions, reports, timeline, doc, t0_wall, points)
+        report = report_doc(
+            passes, decisions, reports, timeline, doc, t0_wall, points, daemon.reprofiles
+        )
         write_report(out, report, passes)
         return report
     finally:
