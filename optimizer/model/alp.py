@@ -32,6 +32,20 @@ profile's light-load latency and ``rho`` the utilisation:
 ``n_m · L_m / p_m`` is ``m``'s mean per-request busy time at the traced load and the prediction
 reproduces the trace's mean latency there; ``parallelism="paper"`` takes the per-request mean.
 
+Uncertainty (issue 24): every profile carries a relative uncertainty ``u_m`` of its speed
+(:mod:`optimizer.model.shares`: 0 where the share was profiled, wider the farther the share it
+was derived from). Each stage is also evaluated on its *pessimistic* curve, the profile run
+``1 / (1 + u_m)`` as fast, which gives the bounds:
+
+    capacity_low  = min_m d_m · T_m / ((1 + u_m) · n_m)
+    latency_high  = the same combination of the stages' pessimistic contributions
+
+The stages' errors are taken as fully correlated (every stage at its slow end at once): the
+shares of one allocation are derived by the same rule, and typically from the same ``β``, so
+they err the same way; and a bound that is a sum of per-stage bounds keeps the search's
+per-LLM decomposition exact (a root-sum-square would not). With every ``u_m = 0`` the bounds
+are the point estimates.
+
 Invariants: pure functions over frozen dataclasses, no I/O. A rate at or beyond any stage's
 capacity gives latency ``inf``. Stages whose profile was scaled from another GPU share are
 flagged (``scaled_from``). :func:`predict_many` evaluates a batch of allocations with numpy
@@ -172,6 +186,9 @@ class StagePrediction:
     capacity: float  # d · T_m / n: workflow requests per second this stage sustains
     utilisation: float  # rate / capacity
     scaled_from: float | None  # the measured share this stage's profile was scaled from
+    uncertainty: float = 0.0  # the profile's relative uncertainty u_m
+    capacity_low: float = 0.0  # d · T_m / ((1 + u_m) · n): the capacity's slow end
+    contribution_high: float = math.inf  # L_wm on the pessimistic curve (s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +200,8 @@ class Prediction:
     bottleneck: str  # the stage with the least capacity
     stages: tuple[StagePrediction, ...]
     stat: Stat
+    capacity_low: float = 0.0  # T_w with every stage at its slow end (module docstring)
+    latency_high: float = math.inf  # latency with every stage at its slow end (s)
 
     @property
     def feasible(self) -> bool:
@@ -249,9 +268,12 @@ def predict(
     for st in pipeline.stages:
         alloc = allocation[st.model]
         prof = book.lookup(st.model, alloc.tp, alloc.share)
+        slow = prof.pessimistic()
         call_rate = rate * st.n / alloc.replicas
         call_latency = float(_stage_latency(prof, call_rate, alloc.replicas, stat, pooling, st.n))
+        high = float(_stage_latency(slow, call_rate, alloc.replicas, stat, pooling, st.n))
         capacity = alloc.replicas * prof.saturation / st.n if st.n > 0 else math.inf
+        capacity_low = alloc.replicas * slow.saturation / st.n if st.n > 0 else math.inf
         stages.append(
             StagePrediction(
                 model=st.model,
@@ -261,11 +283,17 @@ def predict(
                 capacity=capacity,
                 utilisation=rate / capacity if capacity > 0 else math.inf,
                 scaled_from=prof.scaled_from,
+                uncertainty=prof.uncertainty,
+                capacity_low=capacity_low,
+                contribution_high=high * st.n / st.p,
             )
         )
     neck = min(stages, key=lambda s: s.capacity)
     path = critical_path(pipeline, [[s.contribution for s in stages]])
     latency = float(path[0]) + pipeline.tool_time
+    capacity_low = min(s.capacity_low for s in stages)
+    high = float(critical_path(pipeline, [[s.contribution_high for s in stages]])[0])
+    latency_high = high + pipeline.tool_time if rate < capacity_low else math.inf
     return Prediction(
         workflow=pipeline.workflow,
         rate=rate,
@@ -274,6 +302,8 @@ def predict(
         bottleneck=neck.model,
         stages=tuple(stages),
         stat=stat,
+        capacity_low=capacity_low,
+        latency_high=latency_high if math.isfinite(latency_high) else math.inf,
     )
 
 
@@ -286,6 +316,10 @@ class BatchPrediction:
     bottleneck: IntArray  # (C,) index into pipeline.stages
     contribution: FloatArray  # (C, M)
     scaled: npt.NDArray[np.bool_]  # (C, M): the stage's profile was scaled from another share
+    uncertainty: FloatArray  # (C, M): the stage's profile's relative uncertainty u_m
+    throughput_low: FloatArray  # (C,) capacity_low: every stage at its slow end
+    latency_high: FloatArray  # (C,) latency with every stage at its slow end
+    contribution_high: FloatArray  # (C, M) contributions on the pessimistic curves
 
 
 def predict_many(
@@ -314,6 +348,9 @@ def predict_many(
     contribution = np.empty((n_cand, n_stage))
     capacity = np.empty((n_cand, n_stage))
     scaled = np.zeros((n_cand, n_stage), dtype=bool)
+    u = np.zeros((n_cand, n_stage))
+    contribution_high = np.empty((n_cand, n_stage))
+    capacity_low = np.empty((n_cand, n_stage))
     for j, st in enumerate(pipeline.stages):
         # Shares are compared after rounding so float noise does not split a group.
         s_key = np.round(s[:, j], 6)
@@ -323,24 +360,42 @@ def predict_many(
         inverse = inverse.reshape(-1)
         profiles: list[Profile] = [book.lookup(st.model, int(a), float(b)) for a, b in pairs]
         sat = np.array([p.saturation for p in profiles])[inverse]
+        slow = np.array([p.saturation / (1.0 + p.uncertainty) for p in profiles])[inverse]
         capacity[:, j] = d[:, j] * sat / st.n if st.n > 0 else np.inf
+        capacity_low[:, j] = d[:, j] * slow / st.n if st.n > 0 else np.inf
         call_rate = rate * st.n / d[:, j]
         lat = np.empty(n_cand)
+        high = np.empty(n_cand)
         order = np.argsort(inverse, kind="stable")
         bounds = np.searchsorted(inverse[order], np.arange(len(profiles) + 1))
         for g, prof in enumerate(profiles):
             rows = order[bounds[g] : bounds[g + 1]]
             lat[rows] = _stage_latency(prof, call_rate[rows], d[rows, j], stat, pooling, st.n)
             scaled[rows, j] = prof.scaled_from is not None
+            u[rows, j] = prof.uncertainty
+            # a profile without uncertainty is its own pessimistic curve: no second lookup
+            high[rows] = (
+                _stage_latency(prof.pessimistic(), call_rate[rows], d[rows, j], stat, pooling, st.n)
+                if prof.uncertainty
+                else lat[rows]
+            )
         contribution[:, j] = lat * st.n / st.p
+        contribution_high[:, j] = high * st.n / st.p
     neck = np.argmin(capacity, axis=1)
     throughput = capacity[np.arange(n_cand), neck]
     latency = critical_path(pipeline, contribution) + pipeline.tool_time
     latency = np.where(rate >= throughput, np.inf, latency)
+    throughput_low = capacity_low.min(axis=1, initial=np.inf)
+    latency_high = critical_path(pipeline, contribution_high) + pipeline.tool_time
+    latency_high = np.where(rate >= throughput_low, np.inf, latency_high)
     return BatchPrediction(
         latency=latency,
         throughput=throughput,
         bottleneck=neck,
         contribution=contribution,
         scaled=scaled,
+        uncertainty=u,
+        throughput_low=throughput_low,
+        latency_high=latency_high,
+        contribution_high=contribution_high,
     )

@@ -10,8 +10,12 @@ Invariants:
   a finite window a backlog draining, a transient batch or a still-warm prefix cache can read
   above what the engine sustains, and deep overload can read far below it;
 - ``L(λ)`` is non-decreasing in ``λ``, finite below ``T_m`` and ``inf`` at or beyond it;
-- a curve scaled to another GPU share (throughput x r, latency at rate λ/r stretched by 1/r)
-  says so in ``scaled_from``;
+- a curve for a share that was not profiled is derived by :mod:`optimizer.model.shares` (not
+  linearly: a share slows light load far less than in proportion, saturation throughput by
+  ``r`` and never more), interpolated between two profiled shares where it lies between
+  them; it says so in ``scaled_from`` and carries a relative ``uncertainty`` (0 for a
+  profiled share, wider the farther the share it was derived from, narrower once live points
+  corrected it);
 - curves are made from replay points only (``source="replay"``); live points
   (:mod:`optimizer.model.live`, ``source="live"``) correct the curve of their own key where
   the replica ran (:meth:`Profile.corrected`). Each live point gives the replica's *speed*
@@ -42,6 +46,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from optimizer.model import shares
+from optimizer.model.shares import Beta, Betas
 from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
 
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
@@ -73,6 +79,8 @@ class Profile:
     scaled_from: float | None = None  # the profiled share this curve was scaled from
     corrected_by: int = 0  # live points that corrected this curve (0: replay only)
     speed: float = 1.0  # the live points' speed relative to the replay (1.0: replay only)
+    uncertainty: float = 0.0  # relative error of the curve's speed (optimizer.model.shares)
+    beta: float | None = None  # the light-load share exponent a derived curve used
 
     @classmethod
     def from_points(cls, points: Sequence[ProfilePoint]) -> Profile:
@@ -108,15 +116,16 @@ class Profile:
         out = np.interp(lam, self.rates, self.lat[stat])  # flat below the lightest point
         return np.asarray(np.where(lam >= self.saturation, np.inf, out), dtype=np.float64)
 
-    def scaled(self, share: float) -> Profile:
-        """This curve moved to GPU share ``share`` (DESIGN §3.5): a replica on rx the GPU
-        serves rx the rate, and a call at rate λ takes as long as one at λ/r did, x 1/r."""
-        r = share / self.key.share
-        return replace(
-            self._timed(r),
-            key=replace(self.key, share=share),
-            scaled_from=self.key.share if self.scaled_from is None else self.scaled_from,
-        )
+    def scaled(self, share: float, beta: Beta | None = None) -> Profile:
+        """This curve moved to GPU share ``share`` by the share model (DESIGN §3.5,
+        :mod:`optimizer.model.shares`): saturation x r, light-load latency x r^-β, the
+        queueing excess at equal utilisation x 1/r; ``beta`` defaults to the documented
+        :data:`~optimizer.model.shares.DEFAULT_BETA`."""
+        return shares.derived(self, share, beta or Beta(shares.DEFAULT_BETA, "default"))
+
+    def pessimistic(self) -> Profile:
+        """The slow end of this curve's uncertainty (itself when it has none)."""
+        return shares.pessimistic(self)
 
     def _timed(self, r: float) -> Profile:
         """This curve run ``r`` x as fast: ``r`` x the rates, latencies x 1/r."""
@@ -200,6 +209,7 @@ class ProfileBook:
         self.live = {k: tuple(v) for k, v in sorted(live.items())}
         self._replayed = {k: Profile.from_points(v) for k, v in sorted(replay.items())}
         self.profiles = {k: p.corrected(self.live.get(k, ())) for k, p in self._replayed.items()}
+        self.betas = Betas.fitted(self._replayed.values())  # the book's share pairs' β
         self._scaled: dict[tuple[ProfileKey, ProfileKey], Profile] = {}
 
     def lookup(
@@ -210,9 +220,11 @@ class ProfileBook:
         engine: str | None = None,
         gpu_type: str | None = None,
     ) -> Profile:
-        """The measured curve, else the one of the nearest larger (else largest) measured share
-        of the same model/TP scaled to ``share`` (flagged by ``scaled_from``); either corrected
-        by the live points of its own key."""
+        """The measured curve; else, between two measured shares, the two interpolated;
+        else the nearest larger (else largest) measured share of the same model/TP moved to
+        ``share`` by the share model (:mod:`optimizer.model.shares`, ``β`` from the book's
+        share pairs). A derived curve is flagged by ``scaled_from`` and carries its
+        ``uncertainty``; either is corrected by the live points of its own key."""
         candidates = [
             k
             for k in self._replayed
@@ -233,8 +245,18 @@ class ProfileBook:
         target = replace(base, share=share)
         got = self._scaled.get((base, target))
         if got is None:
+            smaller = [
+                k
+                for k in candidates
+                if k.share < share and (k.engine, k.gpu_type) == (base.engine, base.gpu_type)
+            ]
+            if larger and smaller:
+                low = max(smaller, key=lambda k: k.share)
+                moved = shares.interpolated(self._replayed[low], self._replayed[base], share)
+            else:
+                moved = shares.derived(self._replayed[base], share, self.betas.for_model(model))
             live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
-            got = self._replayed[base].scaled(share).corrected(live)
+            got = shares.after_live(moved.corrected(live))
             self._scaled[(base, target)] = got
         return got
 

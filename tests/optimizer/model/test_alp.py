@@ -3,6 +3,7 @@ and stages fanned out together."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from optimizer.model.alp import (
     predict_many,
 )
 from optimizer.model.curves import ProfileBook
+from optimizer.model.shares import DEFAULT_BETA, K_DEFAULT
 from optimizer.stats.reader import summarise_store
 from shared.profile_points import ProfilePoint
 from tests.optimizer.conftest import Row, call
@@ -74,9 +76,42 @@ def test_unprofiled_share_is_scaled_and_flagged() -> None:
     gen = pred.stages[0]
     assert gen.scaled_from == 1.0
     assert gen.capacity == pytest.approx(2 * 5.0 / 4)
-    # 2 calls/s on half a GPU = 4 calls/s on a whole one, stretched x2
-    assert gen.call_latency == pytest.approx(2 * (1 / 7 + 1 / 5) / 2)  # 4 lies between 3 and 5
+    # 2 calls/s on half a GPU: the light-load latency 1/9 stretched by 2^beta (no share pair in
+    # the book: the default beta), plus the whole GPU's excess at 4 calls/s (between 3 and 5)
+    # stretched by 2
+    light, at4 = 1 / 9, (1 / 7 + 1 / 5) / 2
+    want = light * 2**DEFAULT_BETA + (at4 - light) * 2
+    assert gen.call_latency == pytest.approx(want)
+    assert gen.call_latency < 2 * at4  # linear scaling's figure
     assert pred.stages[1].scaled_from is None
+
+
+def test_bounds_equal_the_estimate_where_every_share_was_profiled() -> None:
+    alloc = {"gen": ModelAlloc(replicas=2), "ver": ModelAlloc(replicas=1)}
+    pred = predict(PIPE, _book(), alloc, rate=1.5)
+    assert pred.capacity_low == pred.throughput
+    assert pred.latency_high == pred.latency
+    assert all(s.uncertainty == 0 for s in pred.stages)
+
+
+def test_a_derived_share_widens_capacity_and_latency_bounds() -> None:
+    book = _book()
+    alloc = {"gen": ModelAlloc(replicas=4, share=0.5), "ver": ModelAlloc(replicas=2)}
+    pred = predict(PIPE, book, alloc, rate=1.5, pooling=False)
+    gen, ver = pred.stages
+    u = K_DEFAULT * math.log(2.0)
+    assert gen.uncertainty == pytest.approx(u) and ver.uncertainty == 0
+    assert gen.capacity_low == pytest.approx(gen.capacity / (1 + u))
+    assert ver.capacity_low == ver.capacity
+    assert pred.capacity_low == pytest.approx(min(gen.capacity / (1 + u), ver.capacity))
+    # the pessimistic stage: its curve run 1/(1+u) as fast, read at the same call rate
+    slow = book.lookup("gen", 1, 0.5).pessimistic()
+    assert gen.contribution_high == pytest.approx(float(slow.latency(gen.call_rate)) * 4 / 2)
+    assert gen.contribution_high > gen.contribution
+    assert pred.latency_high == pytest.approx(gen.contribution_high + ver.contribution)
+    # past the lower capacity bound the upper latency bound is unbounded, not the estimate
+    over = predict(PIPE, book, alloc, 0.5 * (pred.capacity_low + pred.throughput), pooling=False)
+    assert math.isfinite(over.latency) and math.isinf(over.latency_high)
 
 
 @pytest.mark.parametrize("pipe", [PIPE, FANNED], ids=["serial", "fanned"])
@@ -103,6 +138,13 @@ def test_batch_agrees_with_single(pipe: Pipeline) -> None:
         else:
             assert batch.latency[i] == pytest.approx(one.latency)
         assert bool(batch.scaled[i, 0]) == (one.stages[0].scaled_from is not None)
+        assert batch.throughput_low[i] == pytest.approx(one.capacity_low)
+        assert batch.uncertainty[i, 0] == pytest.approx(one.stages[0].uncertainty)
+        if np.isinf(one.latency_high):
+            assert np.isinf(batch.latency_high[i])
+        else:
+            assert batch.latency_high[i] == pytest.approx(one.latency_high)
+            assert batch.latency_high[i] >= batch.latency[i]
 
 
 def test_pooling_shrinks_the_excess_over_light_load_by_a_fraction_of_the_queue_ratio() -> None:

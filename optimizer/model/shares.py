@@ -1,0 +1,223 @@
+"""The share model: a curve for a GPU share that was not profiled, and how far to trust it.
+
+Role: :class:`optimizer.model.curves.ProfileBook` looks a ``(model, tp, share)`` up; where that
+share was not profiled this module derives its curve from the profiled shares of the same
+model and TP (DESIGN §3.5), and says how uncertain the result is. Pure: functions of profiles
+and numbers, no I/O; the optimizer never asks the simulator how a share behaves, it learns it
+from profile points.
+
+The model. A replica on share ``s`` of a GPU, derived from a profiled share ``c`` (``r = s/c``):
+
+    T_s     = r · T_c                                  (saturation throughput)
+    L_s(λ)  = L⁰_c · r^-β  +  (L_c(λ/r) - L⁰_c) / r      (each latency statistic)
+
+``L⁰`` is the curve's light-load latency (its lightest point); ``L_c(λ/r) - L⁰_c`` the excess
+that queueing and batching add at the same utilisation ``rho = λ / T`` (``λ/r`` on ``c`` is ``λ`` on
+``s`` at equal ``rho``). The two regimes: at light load a call is one batch of one request, and a
+share slows it far less than proportionally (the memory-bound weight streaming keeps the whole
+GPU's bandwidth; only compute shrinks): ``r^-β`` with ``0 <= β <= 1``. Near saturation the
+excess, which grows as ``1 / (T - λ)``-like queueing, dominates, and it scales as ``1/r`` with the
+capacity, so the curve moves continuously in ``rho`` from ``r^-β`` to the linear ``1/r``. With
+``β = 1`` it is exactly linear scaling (``L_c(λ/r)/r``). Saturation throughput scales by ``r``
+and never more: a share is a subset of the GPU (``r · T_c`` bounds a derived share from above
+when scaled down, from below when scaled up from a smaller share).
+
+``β`` comes from the book's own profiled share pairs (same model, engine, GPU type and TP; two
+shares ``a < b`` give ``β = ln(L⁰_a / L⁰_b) / ln(b/a)``, clipped to ``[0, 1]``): the median over
+the model's pairs, else over every pair of the book, else :data:`DEFAULT_BETA`. Between two
+profiled shares ``a < s < b`` the curve is interpolated instead: both are moved to ``s`` with
+that pair's own ``β`` (so ``L⁰`` is exact at both ends), blended in ``rho`` with weight
+``w = ln(s/a) / ln(b/a)`` (latency linearly, saturation geometrically), the saturation kept
+between ``T_a`` and ``r · T_b``. A profiled share is returned as measured.
+
+The uncertainty. Every curve carries ``u >= 0``, a relative error of its speed: the truth is
+taken to lie between this curve and the same curve run ``1 / (1 + u)`` as fast (capacity
+``T / (1 + u)``, latency at ``λ`` read at ``λ (1 + u)`` and stretched by ``1 + u``; the transform
+of a share applied in time, so a slower truth loses capacity and latency at once). ``u = 0``
+for a profiled share (an unsaturated profile's ``T_m`` is a lower bound already: pessimistic,
+no widening); a derived one gets ``K · |ln r|``, with ``K`` by where ``β`` came from
+(:data:`K_MODEL`, :data:`K_BOOK`, :data:`K_DEFAULT`), times :data:`EXTRAPOLATE` when scaled up
+beyond the largest profiled share (no measured share bounds it); an interpolated one
+``K_PAIR · ln(s/a) · ln(b/s) / ln(b/a)`` (zero at both measured ends). Live points that
+corrected the curve divide ``u`` by ``sqrt(1 + n)``. A curve never extrapolates in rate (flat
+below its lightest point, ``inf`` past ``T_m``), so rate extrapolation needs no term.
+
+The constants are measured on ``python -m sim.profiles --shares 1,0.75,0.5,0.25`` (simulated,
+A6000, its default ``--gpu``; the demo's five models): its share pairs give ``β`` from 0.06 to 1.0, median 0.35
+(:data:`DEFAULT_BETA`; per model 0.10 to 0.78). Each ``K`` is about the median relative error
+of mean latency (points below 80% of the measured ``T_m``) per unit of ``|ln r|`` (per unit of
+the bridge when interpolated) when a share is predicted from the others: 0.3 with the model's
+own ``β``, 0.45 with other models' (the book's), 0.3 to 0.45 with the default fitted on those
+same profiles (0.5 here: out of sample, on another GPU, it can only be worse), 0.4 between two
+shares (0.5 here: the medians hide a 26% miss at 0.75 where ``β`` bends). Linear scaling
+misses by a median 32% / 68% / 158% at shares 0.75 / 0.5 / 0.25 of those profiles, this model
+from the whole GPU alone with the default ``β`` by 13% / 22% / 39%. In that simulator ``r · T`` is
+below the measured saturation (0.8 to 0.98 of it: a share keeps the GPU's memory bandwidth),
+so a derived capacity errs low, on the safe side.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from shared.profile_points import ProfileKey
+
+if TYPE_CHECKING:
+    from optimizer.model.curves import FloatArray, Profile
+
+DEFAULT_BETA = 0.35  # median β of the simulated demo profiles' share pairs (see above)
+K_MODEL = 0.3  # u per unit |ln r| when β was fitted on the same model's pairs
+K_BOOK = 0.45  # ... on other models' pairs
+K_DEFAULT = 0.5  # ... taken from DEFAULT_BETA
+K_PAIR = 0.5  # interpolation between two profiled shares (a bridge, 0 at both ends)
+EXTRAPOLATE = 2.0  # scaled up beyond the largest profiled share
+_MIN_LOG_SPAN = 0.05  # shares closer than 5% give no usable β
+BetaSource = Literal["model", "book", "default", "pair"]
+_K: Mapping[BetaSource, float] = {"model": K_MODEL, "book": K_BOOK, "default": K_DEFAULT}
+
+
+@dataclass(frozen=True, slots=True)
+class Beta:
+    """The light-load exponent ``β`` used for a share and where it came from."""
+
+    value: float
+    source: BetaSource
+
+
+def light(prof: Profile) -> float:
+    """The curve's light-load mean latency ``L⁰`` (its lightest point)."""
+    return float(prof.lat["mean"][0])
+
+
+def pair_beta(a: Profile, b: Profile) -> float | None:
+    """``β`` from two profiled shares of one key but the share (see the module docstring);
+    ``None`` when the shares are too close or a light-load latency is not positive."""
+    span = math.log(b.key.share / a.key.share)
+    la, lb = light(a), light(b)
+    if abs(span) < _MIN_LOG_SPAN or not (la > 0 and lb > 0):
+        return None
+    return min(max(math.log(la / lb) / span, 0.0), 1.0)
+
+
+def _group(k: ProfileKey) -> tuple[str, str, str, int]:
+    return (k.model, k.engine, k.gpu_type, k.tp)
+
+
+@dataclass(frozen=True, slots=True)
+class Betas:
+    """Every ``β`` a book's profiled share pairs give: per model and over the whole book."""
+
+    by_model: Mapping[str, float]
+    book: float | None
+
+    @classmethod
+    def fitted(cls, profiles: Iterable[Profile]) -> Betas:
+        groups: dict[tuple[str, str, str, int], list[Profile]] = {}
+        for p in profiles:
+            groups.setdefault(_group(p.key), []).append(p)
+        per_model: dict[str, list[float]] = {}
+        for (model, *_), ps in sorted(groups.items()):
+            ps = sorted(ps, key=lambda p: p.key.share)
+            for i, a in enumerate(ps):
+                for b in ps[i + 1 :]:
+                    beta = pair_beta(a, b)
+                    if beta is not None:
+                        per_model.setdefault(model, []).append(beta)
+        everything = [b for bs in per_model.values() for b in bs]
+        return cls(
+            {m: statistics.median(bs) for m, bs in per_model.items()},
+            statistics.median(everything) if everything else None,
+        )
+
+    def for_model(self, model: str) -> Beta:
+        if model in self.by_model:
+            return Beta(self.by_model[model], "model")
+        if self.book is not None:
+            return Beta(self.book, "book")
+        return Beta(DEFAULT_BETA, "default")
+
+
+def _moved(prof: Profile, r: float, beta: float) -> tuple[float, FloatArray, dict[str, FloatArray]]:
+    """``(T, rho, latencies)`` of ``prof`` moved to ``r`` x its share (module docstring)."""
+    stretch = r ** (-beta)
+    lat = {k: v[0] * stretch + (v - v[0]) / r for k, v in prof.lat.items()}
+    return prof.saturation * r, prof.rates / prof.saturation, lat
+
+
+def derived(base: Profile, share: float, beta: Beta) -> Profile:
+    """``base`` (a profiled share) moved to ``share`` with ``beta``, with its uncertainty."""
+    r = share / base.key.share
+    saturation, rho, lat = _moved(base, r, beta.value)
+    k = K_PAIR if beta.source == "pair" else _K[beta.source]
+    u = k * abs(math.log(r)) * (EXTRAPOLATE if r > 1.0 else 1.0)
+    return replace(
+        base,
+        key=replace(base.key, share=share),
+        saturation=saturation,
+        rates=rho * saturation,
+        lat=lat,
+        ttft_mean=base.ttft_mean * r ** (-beta.value),
+        scaled_from=base.key.share if base.scaled_from is None else base.scaled_from,
+        uncertainty=u,
+        beta=beta.value,
+    )
+
+
+def interpolated(lower: Profile, upper: Profile, share: float) -> Profile:
+    """The curve at ``share`` between two profiled shares of one key (module docstring);
+    ``scaled_from`` names the upper one. A pair that gives no ``β`` falls back to
+    :data:`DEFAULT_BETA` for the move (the blend still ends at both measured curves)."""
+    a, b, s = lower.key.share, upper.key.share, share
+    beta = pair_beta(lower, upper)
+    beta = DEFAULT_BETA if beta is None else beta
+    w = math.log(s / a) / math.log(b / a)
+    _, rho_a, lat_a = _moved(lower, s / a, beta)
+    t_b, rho_b, lat_b = _moved(upper, s / b, beta)
+    geometric = lower.saturation ** (1.0 - w) * upper.saturation**w
+    saturation = max(lower.saturation, min(geometric, t_b))
+    rho = np.union1d(rho_a, rho_b)
+    lat = {
+        k: (1.0 - w) * np.interp(rho, rho_a, lat_a[k]) + w * np.interp(rho, rho_b, lat_b[k])
+        for k in lat_b
+    }
+    span = math.log(b / a)
+    return replace(
+        upper,
+        key=replace(upper.key, share=s),
+        saturation=saturation,
+        saturated=lower.saturated and upper.saturated,
+        rates=rho * saturation,
+        lat=lat,
+        ttft_mean=(1.0 - w) * lower.ttft_mean + w * upper.ttft_mean,
+        scaled_from=b,
+        uncertainty=K_PAIR * math.log(s / a) * math.log(b / s) / span,
+        beta=beta,
+    )
+
+
+def after_live(prof: Profile) -> Profile:
+    """``prof`` with its uncertainty narrowed by the live points that corrected it."""
+    if not prof.corrected_by or not prof.uncertainty:
+        return prof
+    return replace(prof, uncertainty=prof.uncertainty / math.sqrt(1.0 + prof.corrected_by))
+
+
+def pessimistic(prof: Profile) -> Profile:
+    """``prof`` run ``1 / (1 + u)`` as fast: the slow end of its uncertainty (itself at 0)."""
+    if not prof.uncertainty:
+        return prof
+    s = 1.0 / (1.0 + prof.uncertainty)
+    return replace(
+        prof,
+        saturation=prof.saturation * s,
+        rates=prof.rates * s,
+        lat={k: v / s for k, v in prof.lat.items()},
+        ttft_mean=prof.ttft_mean / s,
+        uncertainty=0.0,
+    )
