@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -181,23 +181,46 @@ class Judged:
     context: dict[str, Any]
 
 
-def judged_allocations(k: Learned, quick: bool) -> list[Judged]:
+@dataclass(frozen=True)
+class Scope:
+    """What a run judges: cluster sizes, rates (fractions of the largest feasible), held-out
+    allocations per workflow (the first ones), loads (fractions of predicted ``T_w``)."""
+
+    quick: bool
+    sizes: tuple[int, ...]
+    rate_fractions: tuple[float, ...]
+    held_out: int
+    loads: tuple[float, ...]
+
+    @classmethod
+    def of(cls, quick: bool, **given: Any) -> Scope:
+        """The full run's scope or ``--quick``'s, with any field ``given`` (not None) instead."""
+        base = cls(
+            quick,
+            pick_sets.QUICK_SIZES if quick else pick_sets.SIZES,
+            pick_sets.QUICK_RATE_FRACTIONS if quick else pick_sets.RATE_FRACTIONS,
+            pick_sets.QUICK_HELD_OUT if quick else max(map(len, pick_sets.HELD_OUT.values())),
+            QUICK_LOADS if quick else LOADS,
+        )
+        return replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def judged_allocations(k: Learned, scope: Scope) -> list[Judged]:
     """One workflow's allocations: the search's distinct picks, then the held-out ones."""
-    sizes = pick_sets.QUICK_SIZES if quick else pick_sets.SIZES
-    fractions = pick_sets.QUICK_RATE_FRACTIONS if quick else pick_sets.RATE_FRACTIONS
-    held = pick_sets.HELD_OUT[k.case.workflow]
     entries: list[tuple[str, pick_sets.Alloc, dict[str, Any]]] = [
         ("search_picks", p.allocation, {"picked_at": list(p.picked_at)})
-        for p in pick_sets.search_picks(k.pipe, k.book, sizes, fractions)
+        for p in pick_sets.search_picks(k.pipe, k.book, scope.sizes, scope.rate_fractions)
     ]
-    entries += [("held_out", a, {}) for a in (held[: pick_sets.QUICK_HELD_OUT] if quick else held)]
+    held = pick_sets.HELD_OUT[k.case.workflow][: scope.held_out]
+    entries += [("held_out", a, {}) for a in held]
     case = replace(k.case, allocations=[a for _, a, _ in entries])
     return [Judged(case.workflow, s, i, case, ctx) for i, (s, _, ctx) in enumerate(entries)]
 
 
-def eval_jobs(k: Learned, j: Judged, quick: bool) -> list[EvalJob]:
+def eval_jobs(k: Learned, j: Judged, scope: Scope) -> list[EvalJob]:
     """The capacity job and the latency jobs (at ``LOADS`` of predicted ``T_w``) of ``j``, with
     the fitted bench's seeds and run lengths."""
+    quick = scope.quick
     lengths: dict[str, Any] = (
         {"cap_stretches": 0, "latency_window_latencies": 0.0, "replications": 1} if quick else {}
     )
@@ -216,7 +239,7 @@ def eval_jobs(k: Learned, j: Judged, quick: bool) -> list[EvalJob]:
             **lengths,
         )
     ]
-    for n, f in enumerate(QUICK_LOADS if quick else LOADS):
+    for n, f in enumerate(scope.loads):
         out.append(
             EvalJob(
                 j.case,
@@ -299,14 +322,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an earlier run's alp_picks.json, alp_accuracy.json or profiles.json (same mode): "
         "reuse its profile points for the keys it holds, profile the rest",
     )
+    ap.add_argument("--sizes", nargs="+", type=int, help="GPUs (default 4 8 16; quick: 4)")
+    ap.add_argument("--rate-fractions", nargs="+", type=float, help="of the largest feasible rate")
+    ap.add_argument("--held-out", type=int, help="held-out allocations per workflow")
+    ap.add_argument("--loads", nargs="+", type=float, help="of predicted T_w")
     args = ap.parse_args(argv)
+    scope = Scope.of(
+        args.quick,
+        sizes=tuple(args.sizes) if args.sizes else None,
+        rate_fractions=tuple(args.rate_fractions) if args.rate_fractions else None,
+        held_out=args.held_out,
+        loads=tuple(args.loads) if args.loads else None,
+    )
     started = time.perf_counter()
     cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
     with ProcessPoolExecutor(max_workers=max(1, min(args.workers, MAX_WORKERS))) as pool:
         learned, docs = learn(pool, cases, args.quick, args.profiles_from, args.out)
         profile_s = time.perf_counter() - started
-        judged = [j for k in learned.values() for j in judged_allocations(k, args.quick)]
-        jobs = {id(j): eval_jobs(learned[j.workflow], j, args.quick) for j in judged}
+        judged = [j for k in learned.values() for j in judged_allocations(k, scope)]
+        jobs = {id(j): eval_jobs(learned[j.workflow], j, scope) for j in judged}
         flat = [ev for j in judged for ev in jobs[id(j)]]
         # capacity jobs first: each is a sequence of runs, the longest jobs
         order = sorted(range(len(flat)), key=lambda n: flat[n].kind != "capacity")
@@ -341,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "label": "simulated",
         "gpu": GPU,
         "quick": args.quick,
+        "scope": asdict(scope),
+        "pipelines": {w: asdict(k.pipe) for w, k in learned.items()},
         "profiles_reused_from": str(args.profiles_from or ""),
         "targets": TARGETS,
         "profiled_keys": "the fitted set's (bench.accuracy.alp_accuracy): other shares are scaled",
