@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
 import orjson
@@ -171,9 +172,9 @@ class KubeBackend:
             except ValueError:
                 continue  # not ours to interpret; never touched either
             status = pod.get("status") or {}
-            ready = {
-                c.get("name"): bool(c.get("ready")) for c in status.get("containerStatuses") or []
-            }
+            containers = status.get("containerStatuses") or []
+            ready = {c.get("name"): bool(c.get("ready")) for c in containers}
+            started = {c.get("name"): _running_since(c) for c in containers}
             alive = not pod["metadata"].get("deletionTimestamp")
             for k, r in enumerate(group.replicas):
                 replicas.append(
@@ -189,6 +190,7 @@ class KubeBackend:
                         alive and ready.get(f"engine-{k}", False),
                         r.spec.memory_bytes_per_gpu,
                         r.spec.revision,
+                        started.get(f"engine-{k}"),
                     )
                 )
         return Observed(tuple(replicas), self._routes())
@@ -289,3 +291,15 @@ def _why_waiting(pod: Manifest | None) -> str:
                 f"(restarts {c.get('restartCount', 0)})"
             )
     return "; ".join(reasons) or f"phase {status.get('phase', 'unknown')}"
+
+
+def _running_since(container: Manifest) -> float | None:
+    """When a container's current run started (epoch s; ``state.running.startedAt``), or None
+    when it is not running or the time does not parse."""
+    since = ((container.get("state") or {}).get("running") or {}).get("startedAt")
+    if not isinstance(since, str):
+        return None
+    try:
+        return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -25,6 +25,9 @@ from optimizer.rollout.kube.render import ROUTES_KEY
 Key = tuple[str, str, str]
 
 
+STARTED_AT = "2026-12-05T12:00:00Z"  # when the fake kubelet starts every container
+
+
 class Crash(Exception):
     """The daemon 'dies' here."""
 
@@ -120,7 +123,12 @@ class FakeKube:
             obj["status"] = {
                 "phase": "Running",
                 "containerStatuses": [
-                    {"name": c["name"], "ready": True, "restartCount": 0, "state": {"running": {}}}
+                    {
+                        "name": c["name"],
+                        "ready": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": STARTED_AT}},
+                    }
                     for c in obj["spec"]["containers"]
                 ],
             }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from shared.cluster import GB, Cluster, cluster_from_settings
 from shared.rollout_settings import RolloutSettings
 from shared.settings import load_settings
 from shared.settings_schema import SettingsError, decode
-from tests.optimizer.rollout.kube_fake import Crash, FakeKube
+from tests.optimizer.rollout.kube_fake import STARTED_AT, Crash, FakeKube
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "cluster.yaml"
 
@@ -178,6 +179,12 @@ async def test_converge_rolls_out_then_shifts_without_losing_a_model(
     assert_running(api, before)
     models = {m for g in before for m in g.models}
     assert served(api.routes_history)[-1] == models
+    # each ready engine is observed with when its container started running
+    observed = await kb.observe()
+    assert observed.replicas and all(r.ready for r in observed.replicas)
+    assert {r.started_at for r in observed.replicas} == {
+        datetime.fromisoformat(STARTED_AT.replace("Z", "+00:00")).timestamp()
+    }
 
     api.log.clear()
     api.routes_history.clear()
