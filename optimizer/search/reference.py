@@ -7,9 +7,11 @@ the same order, every configuration of every LLM's run on the GPU line
 (:func:`optimizer.search.space.run_configs`), the full cartesian product across LLMs, the rules
 applied to each row, and every
 remaining row predicted with the *whole-pipeline* :func:`optimizer.model.alp.predict_many` (so the
-search's per-LLM decomposition is checked too). Same selection: the lowest latency among rows
-whose throughput covers ``rate x (1 + headroom)``; else, among rows of the highest throughput
-``T``, the lowest latency at the rate ``T / (1 + headroom)``.
+search's per-LLM decomposition is checked too). Same selection, at the slow end of each
+prediction's uncertainty as the search ranks (``latency_high``, ``throughput_low``): the lowest
+upper-bound latency among rows whose lower-bound throughput covers ``rate x (1 + headroom)``;
+else, among rows of the highest lower-bound throughput ``T``, the lowest upper-bound latency at
+the rate ``T / (1 + headroom)``.
 
 ``ratio_order=True`` adds the paper's latency-ratio pruning (LLMs earlier in the packing
 order, i.e. of higher latency, get at least as many units) so the benchmark can measure what
@@ -59,11 +61,13 @@ class ReferenceTimeout(TimeoutError):
 class ReferenceResult:
     feasible: bool
     served_rate: float
-    latency: float  # at served_rate
+    latency: float  # at served_rate (the point estimate)
     throughput: float
     allocation: dict[str, ModelAlloc]
     rows: int  # allocations (units x configurations) predicted
     seconds: float
+    latency_high: float = math.inf  # at served_rate, the slow end: what the rows ranked by
+    throughput_low: float = 0.0  # the slow end: what had to cover the goal
 
 
 def _compositions(length: int, total: int, cap: int | None) -> IntArray:
@@ -146,22 +150,21 @@ def solve(
     if len(reps) == 0:
         return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
 
-    def run(rate: float) -> tuple[np.ndarray, np.ndarray]:
-        pred = alp.predict_many(
+    def run(rate: float) -> alp.BatchPrediction:
+        return alp.predict_many(
             pipe, problem.book, rate, reps, tp, share, stat=problem.stat, pooling=problem.pooling
         )
-        return pred.latency, pred.throughput
 
     rate = target.rate
-    latency, throughput = run(rate)
-    covers = throughput >= goal * (1.0 - FEASIBLE_RTOL)
+    pred = run(rate)
+    covers = pred.throughput_low >= goal * (1.0 - FEASIBLE_RTOL)
     feasible = bool(covers.any())
     if not feasible:
-        top = float(throughput.max())
+        top = float(pred.throughput_low.max())
         rate = top / (1.0 + problem.headroom)
-        latency, throughput = run(rate)
-        covers = throughput >= top * (1.0 - FEASIBLE_RTOL)
-    best = int(np.argmin(np.where(covers, latency, np.inf)))
+        pred = run(rate)
+        covers = pred.throughput_low >= top * (1.0 - FEASIBLE_RTOL)
+    best = int(np.argmin(np.where(covers, pred.latency_high, np.inf)))
     alloc = {
         st.model: ModelAlloc(int(reps[best, j]), int(tp[best, j]), float(share[best, j]))
         for j, st in enumerate(pipe.stages)
@@ -169,11 +172,13 @@ def solve(
     return ReferenceResult(
         feasible,
         rate,
-        float(latency[best]),
-        float(throughput[best]),
+        float(pred.latency[best]),
+        float(pred.throughput[best]),
         alloc,
         len(reps),
         time.perf_counter() - t0,
+        float(pred.latency_high[best]),
+        float(pred.throughput_low[best]),
     )
 
 
@@ -187,17 +192,18 @@ class SplitResult:
 def utility(
     problem: SearchProblem, workflow: int, start: int, budget: int, deadline: float | None = None
 ) -> float:
-    """The welfare utility :mod:`optimizer.search.solve` defines, by brute force."""
+    """The welfare utility :mod:`optimizer.search.solve` defines, by brute force (on the
+    upper-bound latencies and lower-bound throughputs it ranks by)."""
     cycle, total = line_layout(problem.cluster, problem.granularity).cycle, problem.units
     goal = problem.workflows[workflow].rate * (1.0 + problem.headroom)
     alone = min(
-        solve(problem, workflow, o, total - o, deadline=deadline).latency
+        solve(problem, workflow, o, total - o, deadline=deadline).latency_high
         for o in range(cycle if len(problem.workflows) > 1 else 1)
     )
     here = solve(problem, workflow, start, budget, deadline=deadline)
     if here.feasible:
-        return alone / here.latency if math.isfinite(alone) else 1.0
-    return min(min(here.throughput / goal, 1.0) - 1.0, -1e-12)
+        return alone / here.latency_high if math.isfinite(alone) else 1.0
+    return min(min(here.throughput_low / goal, 1.0) - 1.0, -1e-12)
 
 
 def solve_split(problem: SearchProblem, deadline: float | None = None) -> SplitResult:

@@ -4,7 +4,10 @@ Role: given each workflow's Aggregate LLM Pipeline and target rate, the profiles
 find per workflow the allocation with the lowest predicted latency whose throughput covers
 ``rate x (1 + headroom)``, over the space :mod:`optimizer.search.space` defines; when nothing
 covers it, the allocation serving the largest rate (flagged infeasible, its latency predicted
-at the rate it serves with headroom). Several workflows: an outer level splits the cluster's
+at the rate it serves with headroom). Both figures are taken at the slow end of the
+prediction's uncertainty (:mod:`optimizer.model.alp`: ``capacity_low``, ``latency_high``), so
+a configuration derived from another GPU share counts for less than a measured one, the
+farther the less (see "Ranking under uncertainty" below). Several workflows: an outer level splits the cluster's
 units between them by a welfare policy (:mod:`optimizer.search.welfare`), in the order of workflows
 on the line that serves the policy best (:func:`optimizer.search.space.best_split`: the
 per-workflow utility tables do not depend on the order, so each order costs one split); a
@@ -23,6 +26,20 @@ Where LLMs run at once (``Pipeline.overlaps``) the latency is no longer a sum: t
 still minimises the stage sum times the traced overlap ratio (``Pipeline.overlap``), exact
 for LLMs called in turn and an approximation for fanned-out ones (it may spend units on a
 stage the other hides), and the chosen allocation's latency is predicted with the overlaps.
+
+Ranking under uncertainty (issue 24, item 5): choosing the lowest point estimate among many
+candidates picks, among near-equals, the one whose error happens to flatter it most (the
+optimizer's curse), and a share scaled from another share would count as much as one
+measured. So a candidate must cover the goal with its *lower* capacity bound, and candidates
+rank by their *upper* latency bound, not the point estimate: a measured configuration
+(``u = 0``) competes with its estimate, a derived one with its estimate plus its error, and
+it wins only where it is better by more than it may be wrong. The upper bound rather than the
+point estimate among feasible candidates because the curse bites the latency objective as much
+as the capacity test (the issue's over-predicted fractional verifiers won on latency as well);
+the price is at most ``u`` of latency where a derived share was in truth better, and it falls
+as live points and reprofiling shrink ``u``. Where every profile is measured the bounds are the
+estimates and the search is the paper's. Reported figures (``latency``, ``throughput``) stay
+point estimates; the bounds are reported beside them.
 
 Invariants: pure over frozen inputs (callers on an event loop run it in a thread); the returned
 predictions come from :func:`optimizer.model.alp.predict` on the chosen allocation.
@@ -125,6 +142,8 @@ class WorkflowAllocation:
     budget_units: int
     models: tuple[ModelChoice, ...]  # pipeline stage order; empty when nothing can be served
     stats: SearchStats
+    latency_high: float = np.inf  # predicted at served_rate at the slow end (what ranked it)
+    capacity_low: float = 0.0  # T_w at the slow end (what had to cover the goal)
 
     @property
     def allocation(self) -> dict[str, ModelAlloc]:
@@ -183,12 +202,12 @@ def _configs(
 
 @dataclass(frozen=True)
 class _Tables:
-    lat: FloatArray  # (F, U+1) best contribution among configurations covering the target
+    lat: FloatArray  # (F, U+1) best upper-bound contribution among those covering the target
     lat_arg: IntArray
-    cap: FloatArray  # (F, U+1) best capacity
+    cap: FloatArray  # (F, U+1) best lower-bound capacity
     cap_arg: IntArray
-    contribution: FloatArray  # per configuration
-    capacity: FloatArray
+    contribution: FloatArray  # per configuration, at the slow end of its uncertainty
+    capacity: FloatArray  # per configuration, at the slow end of its uncertainty
     predicted: int
 
 
@@ -226,8 +245,9 @@ def _tables(
         stat=problem.stat,
         pooling=problem.pooling,
     )
-    contribution = pred.contribution[inverse, 0]
-    capacity = pred.throughput[inverse]
+    # ranked at the slow end of the uncertainty (module docstring)
+    contribution = pred.contribution_high[inverse, 0]
+    capacity = pred.throughput_low[inverse]
     cell = c.offset * (total + 1) + c.units
     covers = capacity >= target * (1.0 - FEASIBLE_RTOL)
     lat_key = np.where(covers & np.isfinite(contribution), contribution, np.inf)
@@ -368,6 +388,8 @@ class _Workflow:
             budget,
             models,
             self.stats(start, budget, seconds),
+            pred.latency_high,
+            pred.capacity_low,
         )
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from optimizer.model.alp import Pipeline, Stage, predict_many
+from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import check_placement
 from optimizer.search.reference import solve, solve_split
@@ -30,6 +30,7 @@ from optimizer.search.space import (
     run_configs,
 )
 from shared.cluster import Cluster
+from shared.profile_points import ProfilePoint
 from tests.optimizer.search.instances import (
     GPU_MEMORY,
     curve,
@@ -45,7 +46,8 @@ INSTANCES = 60
 
 def _reference_latency(problem: SearchProblem, result: SearchResult, rate: float) -> float:
     """The search's allocation evaluated the way the reference evaluates (whole-pipeline
-    ``predict_many``), so the two objectives compare to rounding."""
+    ``predict_many``, the upper-bound latency both rank by), so the two objectives compare to
+    rounding."""
     pipe = problem.workflows[0].pipeline
     alloc = result.workflows[0].allocation
     pred = predict_many(
@@ -58,7 +60,7 @@ def _reference_latency(problem: SearchProblem, result: SearchResult, rate: float
         stat=problem.stat,
         pooling=problem.pooling,
     )
-    return float(pred.latency[0])
+    return float(pred.latency_high[0])
 
 
 def _rules_hold(problem: SearchProblem, result: SearchResult) -> None:
@@ -95,11 +97,13 @@ def test_search_equals_reference_on_random_instances() -> None:
         assert w.served_rate == pytest.approx(ref.served_rate, rel=1e-9), where
         if ref.served_rate > 0:
             assert _reference_latency(problem, got, ref.served_rate) == pytest.approx(
-                ref.latency, rel=1e-9
+                ref.latency_high, rel=1e-9
             ), where
             # predict() uses the exact share, predict_many rounds it to 6 digits: close, not equal
-            assert w.latency == pytest.approx(ref.latency, rel=1e-4), where
-            assert w.throughput >= w.served_rate * (1 + problem.headroom) * (1 - 1e-6)
+            assert w.latency_high == pytest.approx(ref.latency_high, rel=1e-4), where
+            assert w.latency <= w.latency_high * (1 + 1e-9)
+            assert w.capacity_low >= w.served_rate * (1 + problem.headroom) * (1 - 1e-6)
+            assert w.throughput >= w.capacity_low
         _rules_hold(problem, got)
         feasible += w.feasible
         infeasible += not w.feasible
@@ -170,8 +174,22 @@ def test_workflows_are_laid_out_in_the_order_that_serves_them_best() -> None:
     _rules_hold(problem, got)
 
 
+def _measured_half(points: list[ProfilePoint]) -> list[ProfilePoint]:
+    """``points`` as a profile at share 0.5 would read if the share ran exactly half as fast
+    (so a case crafted on that rule stays put, measured: no derived share, no uncertainty)."""
+    return [
+        replace(
+            p, share=0.5, offered_rate=p.offered_rate / 2, throughput=p.throughput / 2,
+            lat_mean=p.lat_mean * 2, lat_p50=p.lat_p50 * 2, lat_p90=p.lat_p90 * 2,
+            lat_p99=p.lat_p99 * 2, ttft_mean=p.ttft_mean * 2,
+        )
+        for p in points
+    ]  # fmt: skip
+
+
 def _crafted(welfare: str) -> SearchProblem:
     points = curve("big", 1, 4.0, 2.0, 1.0) + curve("small", 1, 20.0, 0.2, 1.0)
+    points += _measured_half(points)
     agent = Pipeline("agent", (Stage("big", 2.0, 1.0),))
     chat = Pipeline("chat", (Stage("small", 1.0, 1.0),))
     # rates where the worst-off workflow and the sum pull the split different ways (the
@@ -204,7 +222,8 @@ def test_infeasible_is_flagged_with_the_largest_rate_served() -> None:
     w = got.workflows[0]
     assert not w.feasible and not got.feasible
     assert 0 < w.served_rate < w.rate
-    assert w.throughput == pytest.approx(w.served_rate * (1 + problem.headroom), rel=1e-6)
+    assert w.capacity_low == pytest.approx(w.served_rate * (1 + problem.headroom), rel=1e-6)
+    assert w.throughput >= w.capacity_low
     assert math.isfinite(w.latency)
     ref = solve(problem)
     assert not ref.feasible and ref.served_rate == pytest.approx(w.served_rate, rel=1e-9)
@@ -238,7 +257,7 @@ def test_tp_stays_within_the_nvlink_domain_and_the_flags() -> None:
     w, g = whole.workflows[0], got.workflows[0]
     assert w.served_rate <= g.served_rate * (1 + 1e-9)
     if w.served_rate >= g.served_rate * (1 - 1e-9):
-        assert w.latency >= g.latency - 1e-12
+        assert w.latency_high >= g.latency_high - 1e-12
 
 
 def test_excluded_configuration_is_avoided() -> None:
@@ -248,7 +267,7 @@ def test_excluded_configuration_is_avoided() -> None:
     banned = ExcludedConfig(first.workflow, m.model, m.alloc.tp, m.alloc.replicas, m.alloc.share)
     again = search(replace(problem, exclude=frozenset({banned}))).workflows[0]
     assert again.allocation[m.model] != m.alloc
-    assert again.latency >= first.latency - 1e-12
+    assert again.latency_high >= first.latency_high - 1e-12
 
 
 def test_search_figures_add_up() -> None:
@@ -312,3 +331,62 @@ def test_the_search_layout_places_every_demand_in_order() -> None:
     assert [r.demand for r in placement.replicas] == replica_demands(
         out.result, problem.memory_floor_bytes
     )
+
+
+def _slower(points: list[ProfilePoint], factor: float) -> list[ProfilePoint]:
+    return [
+        replace(p, lat_mean=p.lat_mean * factor, lat_p50=p.lat_p50 * factor,
+                lat_p90=p.lat_p90 * factor, lat_p99=p.lat_p99 * factor)
+        for p in points
+    ]  # fmt: skip
+
+
+def _one_gpu(points: list[ProfilePoint]) -> SearchProblem:
+    return SearchProblem(
+        (WorkflowTarget(Pipeline("chat", (Stage("gen", 1.0, 1.0),)), 8.0),),
+        ProfileBook(points),
+        Cluster.uniform(1, 1, 1, "a6000", GPU_MEMORY),
+        granularity=2,
+        pooling=False,
+    )
+
+
+def test_a_measured_allocation_beats_a_derived_one_only_marginally_better_by_estimate() -> None:
+    # "gen" is profiled at share 0.5 only; a whole GPU is derived from it (scaled up, with the
+    # book's beta of 0.05 from "ref"'s share pair): by point estimate one whole-GPU replica
+    # is a little faster than two measured half-GPU replicas, but only within its uncertainty
+    half = _measured_half(curve("gen", 1, 20.0, 1.0, 0.5))
+    ref = curve("ref", 1, 10.0, 1.0, 0.5)
+    ref_half = _slower(_measured_half(ref), 2**0.05 / 2)  # light load only 2^0.05 slower
+    problem = _one_gpu(half + ref + ref_half)
+    assert problem.book.betas.book == pytest.approx(0.05)
+    pipe = problem.workflows[0].pipeline
+    derived = predict(pipe, problem.book, {"gen": ModelAlloc(1, 1, 1.0)}, 8.0, pooling=False)
+    measured = predict(pipe, problem.book, {"gen": ModelAlloc(2, 1, 0.5)}, 8.0, pooling=False)
+    assert derived.stages[0].scaled_from == 0.5 and derived.stages[0].uncertainty > 0.5
+    assert measured.stages[0].uncertainty == 0
+    assert derived.capacity_low >= 8.0 * 1.1  # both cover the goal at their lower bound
+    assert measured.latency * 0.85 < derived.latency < measured.latency  # marginally better
+    got = search(problem).workflows[0]
+    assert got.allocation["gen"] == ModelAlloc(2, 1, 0.5)
+    assert got.latency == pytest.approx(measured.latency)
+    assert solve(problem).allocation == got.allocation
+    # the same curve at share 1.0, measured, wins: it was only its uncertainty that lost
+    slow = problem.book.lookup("gen", 1, 1.0)
+    whole = [
+        replace(p, share=1.0, offered_rate=r, throughput=r, lat_mean=float(slow.latency(r)))
+        for p, r in zip(half, np.linspace(1.0, 0.95 * slow.saturation, len(half)), strict=False)
+    ]
+    whole = [replace(p, lat_p50=p.lat_mean, lat_p90=p.lat_mean, lat_p99=p.lat_mean) for p in whole]
+    over = replace(whole[-1], offered_rate=1.4 * slow.saturation, throughput=slow.saturation)
+    sure = _one_gpu(half + ref + ref_half + whole + [over])
+    assert sure.book.lookup("gen", 1, 1.0).uncertainty == 0
+    assert search(sure).workflows[0].allocation["gen"] == ModelAlloc(1, 1, 1.0)
+
+
+def test_uncertainty_costs_nothing_where_every_share_is_measured() -> None:
+    # a problem whose every share is measured: bounds equal estimates, the ranking is the paper's
+    problem = _crafted("egalitarian")
+    for w in search(problem).workflows:
+        assert w.latency_high == pytest.approx(w.latency, rel=1e-9)
+        assert w.capacity_low == pytest.approx(w.throughput, rel=1e-9)
