@@ -17,8 +17,11 @@ was measured or scaled. For every allocation: predicted ``T_w`` and the mean lat
 20..80% of it (``optimizer.model.alp``), the simulated truth from ``bench.accuracy.alp_truth``
 (the same jobs, seeds and run-length rules as the fitted bench), and at the highest latency
 load a per-model check (``pick_sets.stage_check``): each model's simulated call latency
-against the curve's. Summary per set and workflow: max and median relative error of
-throughput and of mean latency at <= 80% load; targets 10% and 15%.
+against the curve's. Each figure also says whether the truth lies in the prediction's
+uncertainty band (``optimizer.model.alp``'s ``capacity_low`` .. ``throughput`` and ``latency``
+.. ``latency_high``, within ``BAND_TOL``). Summary per set and workflow: max and median
+relative error of throughput and of mean latency at <= 80% load (targets 10% and 15%), and
+the share of figures inside their band.
 
 ``--quick`` (a smoke run, under ten minutes on two cores): 4 GPUs only, two rates, two
 held-out allocations per workflow, two loads, the fitted bench's quick windows; its errors are
@@ -72,6 +75,9 @@ from sim.profiling import run_profile
 LOADS, QUICK_LOADS = (0.2, 0.4, 0.6, 0.8), (0.4, 0.8)  # of predicted T_w
 MAX_WORKERS = 2  # the bench shares two cores
 SETS = ("search_picks", "held_out")
+# a figure within this of the prediction's uncertainty band counts as inside it (the
+# simulated truth's own precision: 3-5% standard error, CAP_PRECISION 3-10%)
+BAND_TOL = 0.05
 
 
 def _progress(line: str) -> None:
@@ -99,6 +105,19 @@ def summary(throughput_errors: Sequence[float], latency_errors: Sequence[float])
         "latency_points": len(latency_errors),
         "meets_targets": t_max <= TARGETS["throughput_error_max"]
         and l_max <= TARGETS["latency_error_max"],
+    }
+
+
+def band_coverage(docs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The share of throughput and latency figures (<= 80% load) inside the prediction's
+    uncertainty band (``within_band``)."""
+    thr = [d["throughput"]["within_band"] for d in docs]
+    lat = [
+        p["within_band"] for d in docs for p in d["latency"] if p["load"] <= LATENCY_LOAD_MAX + 1e-9
+    ]
+    return {
+        "throughput_within_band": sum(thr) / len(thr) if thr else math.nan,
+        "latency_within_band": sum(lat) / len(lat) if lat else math.nan,
     }
 
 
@@ -282,10 +301,15 @@ def _point_docs(
     for ev, sim in zip(jobs, sims, strict=True):
         if ev.kind == "capacity":
             thr_err = _err(ev.rate, sim["capacity"])
+            low = predict(k.pipe, k.book, allocation, 0.0).capacity_low
             doc["throughput"] = {
                 "predicted": ev.rate,
                 "simulated": sim["capacity"],
                 "error": thr_err,
+                "signed_error": (ev.rate - sim["capacity"]) / sim["capacity"],
+                # the share model's band: the truth between the slow end and the prediction
+                "predicted_low": low,
+                "within_band": low * (1 - BAND_TOL) <= sim["capacity"] <= ev.rate * (1 + BAND_TOL),
                 "simulated_kept_up_at": sim["kept_up_at"],
                 "simulated_overloaded_at": sim["overloaded_at"],
                 "simulated_backlog_throughput": sim["backlog_throughput"],
@@ -303,6 +327,11 @@ def _point_docs(
                 "simulated": sim["latency_mean"],
                 "simulated_se": sim["latency_se"],
                 "error": err,
+                "signed_error": (pred.latency - sim["latency_mean"]) / sim["latency_mean"],
+                "predicted_high": pred.latency_high,
+                "within_band": pred.latency * (1 - BAND_TOL)
+                <= sim["latency_mean"]
+                <= pred.latency_high * (1 + BAND_TOL),
                 "bottleneck": pred.bottleneck,
                 "requests": sim["requests"],
             }
@@ -402,7 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         thr_errors.append(thr)
         lat_errors.extend(lat)
     for (s, wf), (thr_errors, lat_errors) in sorted(errors.items()):
-        report["summary"][s][wf] = summary(thr_errors, lat_errors)
+        report["summary"][s][wf] = {
+            **summary(thr_errors, lat_errors),
+            **band_coverage(report["sets"][s][wf]),
+        }
     report["profile_points"] = docs
     report["profile_s"] = round(profile_s, 1)
     report["wall_s"] = round(time.perf_counter() - started, 1)

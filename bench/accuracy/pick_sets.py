@@ -148,7 +148,8 @@ def search_picks(
 
 
 def provenance(book: ProfileBook, alloc: Alloc) -> dict[str, dict[str, Any]]:
-    """Per model: ``measured`` or ``scaled`` (and from which share), live corrections."""
+    """Per model: ``measured`` or ``scaled`` (and from which share), live corrections, and the
+    share model's relative uncertainty and light-load exponent (``optimizer.model.shares``)."""
     out: dict[str, dict[str, Any]] = {}
     for m, (_, tp, share) in alloc.items():
         prof = book.lookup(m, tp, share)
@@ -156,6 +157,8 @@ def provenance(book: ProfileBook, alloc: Alloc) -> dict[str, dict[str, Any]]:
             "curve": "measured" if prof.scaled_from is None else "scaled",
             "scaled_from": prof.scaled_from,
             "corrected_by": prof.corrected_by,
+            "uncertainty": prof.uncertainty,
+            "beta": prof.beta,
             "saturation_calls_per_s": prof.saturation,
         }
     return out

@@ -97,6 +97,9 @@ def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
             assert 0 <= summary[f"{k}_median"] <= summary[f"{k}_max"]
         (doc,) = report["sets"][s]["fanout"]
         assert doc["throughput"]["simulated"] > 0 and doc["latency"][0]["load"] == 0.4
+        assert doc["throughput"]["predicted_low"] <= doc["throughput"]["predicted"]
+        assert doc["latency"][0]["predicted_high"] >= doc["latency"][0]["predicted"]
+        assert 0 <= summary["latency_within_band"] <= 1
         assert set(doc["curves"]) == set(doc["stage_check"]["models"]) == {B1, G8}
     held = report["sets"]["held_out"]["fanout"][0]
     assert held["curves"][B1]["curve"] == "scaled"  # 0.25 of a model profiled at 0.5 and 1.0
