@@ -330,13 +330,17 @@ class Daemon:
 
     def _note_replicas(self, observed: Observed, now: float) -> None:
         """Remember since when each ready replica (by URL) runs: its engine's start where the
-        backend knows it (a restarted daemon learns from its first pass), else when this
-        daemon first saw it; forget the others."""
+        backend knows it (a restarted daemon learns from its first pass; an engine restarted
+        at the same URL starts over), else when this daemon first saw it; forget the others."""
         ready = {r.url: r.started_at for r in observed.replicas if r.ready}
-        self._seen_since = {
-            u: self._seen_since.get(u, min(now, t) if t is not None else now)
-            for u, t in sorted(ready.items())
-        }
+        since = {}
+        for url, started in sorted(ready.items()):
+            seen = self._seen_since.get(url)
+            if started is None:
+                since[url] = now if seen is None else seen
+            else:
+                since[url] = min(now, started) if seen is None else max(seen, min(now, started))
+        self._seen_since = since
 
     async def _learn(
         self, loads: tuple[ReplicaLoad, ...], observed: Observed

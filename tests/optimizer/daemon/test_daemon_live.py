@@ -18,15 +18,18 @@ S = 1_000_000
 URL = "http://fake/llama-0"
 
 
-def _traffic(store: Path, seconds: float, rate: float = 2.0, latency: float = 0.5) -> None:
-    """``rate`` llama-3-8b calls/s served by the replica at ``URL``, ``latency`` s each."""
+def _traffic(
+    store: Path, seconds: float, rate: float = 2.0, latency: float = 0.5, start: float = T0
+) -> None:
+    """``rate`` llama-3-8b calls/s served by the replica at ``URL`` from ``start`` (epoch s),
+    ``latency`` s each."""
     rows = []
     n = int(seconds * rate)
     for i in range(n):
-        t = T0 + i / rate
+        t = start + i / rate
         rows.append(
             CallRecord(
-                call_id=f"c{i}",
+                call_id=f"c{start}-{i}",
                 proxy_id="test",
                 workflow="chat",
                 request_id=f"q{i}",
@@ -41,7 +44,7 @@ def _traffic(store: Path, seconds: float, rate: float = 2.0, latency: float = 0.
                 completion_tokens=5,
             ).row()
         )
-    writer = SegmentWriter(store, "live")
+    writer = SegmentWriter(store, f"live-{start}")
     try:
         writer.write(rows)
     finally:
@@ -103,6 +106,42 @@ async def test_a_replica_whose_engine_started_before_the_window_teaches_the_firs
     daemon = Daemon(_settings(tmp_path, apply=False), backend, clock=FakeClock(T0 + 100))
     (point,) = (await daemon.tick()).live_points
     assert point.lat_mean == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(60)
+async def test_an_engine_restarted_slower_is_corrected_within_a_bounded_number_of_passes(
+    tmp_path: Path,
+) -> None:
+    """The engine at ``URL`` restarts at T0 + 200 s (same URL) and serves each call in 1 s
+    where it took 0.5 s: the first window after the restart is not trusted (it straddles the
+    restart), and within LIVE_KEEP passes the curve reads what the replica does now."""
+    _profiles(tmp_path)
+    _traffic(tmp_path, 200.0, latency=0.5)
+    _traffic(tmp_path, 400.0, latency=1.0, start=T0 + 201.0)
+    backend = _backend()
+    backend.replicas["llama-0"] = replace(backend.replicas["llama-0"], started_at=T0 - 60)
+    clock = FakeClock(T0 + 160)
+    daemon = Daemon(_settings(tmp_path, apply=False), backend, clock=clock)
+    assert (await daemon.tick()).live_points  # learned at once: the engine ran before
+    before = (await daemon._book()).lookup("llama-3-8b", 1, 1.0)
+    assert before.latency(2.0) == pytest.approx(0.5)
+    backend.replicas["llama-0"] = replace(backend.replicas["llama-0"], started_at=T0 + 200)
+    passes = 0  # passes after the restart
+    while True:
+        clock.t += 20
+        passes += clock.t > T0 + 200
+        report = await daemon.tick()
+        # the replicas' window is [now - window_s, now - settle_s)
+        if clock.t - 40 < T0 + 200 < clock.t - 3:  # it holds the restart
+            assert report.live_points == ()
+        got = float((await daemon._book()).lookup("llama-3-8b", 1, 1.0).latency(2.0))
+        if passes and abs(got - 1.0) <= 0.15 or passes > 10:
+            break
+    # 1 pass whose window straddles the restart, then the median of LIVE_KEEP = 5 points
+    # turns after 3 new ones
+    assert abs(got - 1.0) <= 0.15 and passes <= 1 + 3
+    curve = (await daemon._book()).lookup("llama-3-8b", 1, 1.0)
+    assert curve.speed < before.speed  # slower than before the restart
 
 
 @pytest.mark.timeout(60)
