@@ -88,7 +88,7 @@ def pass_row(report: TickReport, t0: float, settle_s: float) -> PassRow:
         window_from=d.t - t0 - report.window_s - settle_s,
         kind=d.kind,
         outcome=report.outcome,
-        predicted={w: v for w, v in report.predicted_now.items() if math.isfinite(v)},
+        predicted=dict(report.predicted_now),  # inf: predicted overloaded
         observed={w: s.latency_mean for w, s in stats.items() if math.isfinite(s.latency_mean)},
         requests={w: s.requests for w, s in stats.items()},
         planned=tuple(sorted({r.demand.model for r in placed})),
@@ -98,9 +98,10 @@ def pass_row(report: TickReport, t0: float, settle_s: float) -> PassRow:
 
 
 def rel_error(row: PassRow, workflow: str) -> float | None:
-    """(predicted - observed) / observed of ``workflow`` in ``row``; ``None`` without both."""
+    """(predicted - observed) / observed of ``workflow`` in ``row`` (``inf`` where the pass
+    predicted overload); ``None`` without both."""
     pred, obs = row.predicted.get(workflow), row.observed.get(workflow)
-    if pred is None or obs is None or obs <= 0:
+    if pred is None or obs is None or obs <= 0 or math.isnan(pred):
         return None
     return (pred - obs) / obs
 
@@ -109,7 +110,8 @@ def windows_until_recovered(
     rows: Sequence[PassRow], workflow: str, since: float, tolerance: float = TOLERANCE
 ) -> dict[str, Any]:
     """Over the passes whose window starts at or after ``since`` and that judge ``workflow``:
-    ``first_within`` (1-based: the first such window within ``tolerance``), ``within_from``
+    ``first_within`` (1-based: the first such window within ``tolerance``), ``first_out`` (the
+    first one past it), ``recovered_at`` (the first within after ``first_out``), ``within_from``
     (the first window from which every later one is within), ``None`` when there is none;
     ``errors`` the relative errors in order; ``straddling`` those of windows holding ``since``."""
     judged = [(r, rel_error(r, workflow)) for r in rows if r.window_from >= since]
@@ -118,6 +120,13 @@ def windows_until_recovered(
         e for r in rows if r.window_from < since <= r.t if (e := rel_error(r, workflow)) is not None
     ]
     first = next((k + 1 for k, e in enumerate(errors) if abs(e) <= tolerance), None)
+    # the first window back within after the first one out of it (the event was noticed)
+    out = next((k for k, e in enumerate(errors) if abs(e) > tolerance), None)
+    recovered = (
+        None
+        if out is None
+        else next((k + 1 for k, e in enumerate(errors) if k > out and abs(e) <= tolerance), None)
+    )
     within_from = None
     for k in range(len(errors), 0, -1):
         if abs(errors[k - 1]) > tolerance:
@@ -126,6 +135,8 @@ def windows_until_recovered(
     return {
         "windows": len(errors),
         "first_within": first,
+        "first_out": None if out is None else out + 1,
+        "recovered_at": recovered,
         "within_from": within_from,
         "errors": [round(e, 4) for e in errors],
         "straddling": [round(e, 4) for e in straddling],

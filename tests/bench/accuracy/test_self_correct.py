@@ -3,6 +3,8 @@ workflow's prediction is within tolerance again, the decision log's reprofile ro
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.accuracy.self_correct import (
@@ -37,6 +39,7 @@ def test_rel_error_is_relative_to_the_observed_and_needs_both() -> None:
     assert rel_error(_row(30, None, 1.0), "rag") is None
     assert rel_error(_row(30, 1.0, 0.0), "rag") is None
     assert rel_error(_row(30, 1.0, 1.0), "beam") is None
+    assert rel_error(_row(30, math.inf, 1.0), "rag") == math.inf  # predicted overloaded: out
 
 
 def test_windows_are_counted_from_the_first_one_starting_after_the_event() -> None:
@@ -54,16 +57,20 @@ def test_windows_are_counted_from_the_first_one_starting_after_the_event() -> No
     assert got["errors"] == [-0.5, -0.25, -0.05, 0.0]
     assert got["straddling"] == [-0.375]
     assert got["first_within"] == 3 and got["within_from"] == 3
+    assert got["first_out"] == 1 and got["recovered_at"] == 3
 
 
 def test_a_window_back_out_of_tolerance_moves_within_from_and_never_is_none() -> None:
     rows = [_row(t, p, 1.0) for t, p in ((120, 1.1), (125, 1.5), (130, 1.05), (135, 1.1))]
     got = windows_until_recovered(rows, "rag", since=100.0)
     assert got["first_within"] == 1 and got["within_from"] == 3
+    assert got["first_out"] == 2 and got["recovered_at"] == 3
     never = [_row(t, 2.0, 1.0) for t in (120, 125, 130)]
     assert windows_until_recovered(never, "rag", 100.0) | {"errors": []} == {
         "windows": 3,
         "first_within": None,
+        "first_out": 1,
+        "recovered_at": None,
         "within_from": None,
         "errors": [],
         "straddling": [],
