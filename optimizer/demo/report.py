@@ -143,9 +143,11 @@ def report_doc(
             pred = r.predicted_now.get(w)
             if pred is None or ws.requests == 0:
                 continue
-            # The daemon learns live points from the first full window an allocation serves;
-            # windows that start after that one are what its predictions are judged on.
-            learned = max(end for end, _ in changes if end <= p.t - r.window_s) + r.window_s
+            # The daemon learns live points from the first full window an allocation serves
+            # traffic in; windows that start after that one are what its predictions are
+            # judged on.
+            served = max(end for end, _ in changes if end <= p.t - r.window_s)
+            learned = max(served, timeline.get("load_started", 0.0)) + r.window_s
             pvo.append(
                 {
                     "t": round(p.t, 1),

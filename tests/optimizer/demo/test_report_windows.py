@@ -54,3 +54,12 @@ def test_windows_a_rollout_ran_in_are_left_out() -> None:
     judged = [r["t"] for r in doc["predicted_vs_observed"] if r["judged"]]
     assert judged == [20.0, 30.0, 60.0]
     assert doc["accuracy"] == {"w": {"median_abs_error": pytest.approx(0.1), "windows": 3}}
+
+
+def test_the_first_window_of_traffic_is_not_judged() -> None:
+    """Load starts at t=5 on a bootstrap ready at 0: the daemon's first full window of traffic
+    is [5, 15], so windows from t=15 on are judged (the pass at t=30 and later)."""
+    passes = [_pass(t) for t in (10.0, 20.0, 30.0, 40.0)]
+    doc = report_doc(passes, [], [], {"bootstrap_ready": 0.0, "load_started": 5.0}, {}, 0.0)
+    judged = [r["t"] for r in doc["predicted_vs_observed"] if r["judged"]]
+    assert judged == [30.0, 40.0]
