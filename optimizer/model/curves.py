@@ -25,9 +25,11 @@ Invariants:
   MAX_FACTOR]``. Capacity is lowered by a slow reading and raised only by throughput sustained:
   a replica slower than its replay (``s < 1``: a neighbour's contention, longer outputs, a
   throttled or changed engine) gets the whole slower curve, ``T_m`` included; a faster one
-  (``s > 1``: idle neighbours, shorter calls, more cache hits than the replay saw) gets the
-  latency its points read up to their median throughput, fading (in log) back to the replayed
-  curve at the replay's highest point, and keeps ``T_m``, unless a point read past ``T_m``
+  (``s > 1``: idle neighbours, shorter calls, more cache hits than the replay saw) gets, at
+  each load its points ran at, the latency ratio they read there (the median of points within
+  ``_LOAD_BIN`` of each other's throughput), interpolated between those loads, flat below the
+  lightest and fading (in log) back to the replayed curve at the replay's highest point above
+  the heaviest; it keeps ``T_m``, unless a point read past ``T_m``
   raises it to the throughput it sustained. The corrected curve says how many live points made
   it (``corrected_by``) and their speed (``speed``). Live points of a model with no replayed curve
   make no curve; without live points every curve is exactly the replayed one. The blend is
@@ -53,7 +55,8 @@ from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
 _SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far live points may move a replayed curve's speed
-_FADE_KNOTS = 9  # knots between the live load and the top, where a faster reading fades
+_FADE_KNOTS = 9  # knots between the live loads and the top, where a faster reading fades
+_LOAD_BIN = 0.25  # live points within 25% of each other's throughput read one load
 _SPEED_STEPS = 60  # bisection steps on log(speed): far below any measurement's precision
 Stat = Literal["mean", "p50", "p90", "p99"]
 _STATS: tuple[Stat, ...] = ("mean", "p50", "p90", "p99")
@@ -154,17 +157,31 @@ class Profile:
                 hi = mid
         return math.exp((lo + hi) / 2)
 
-    def _faded(self, speed: float, load: float) -> Profile:
-        """This curve with the latency it has at ``speed`` up to ``load`` (calls/s), the ratio
-        fading (in log) to 1 at the highest replayed rate; ``T_m`` kept."""
+    def _faded(self, live: Sequence[ProfilePoint]) -> Profile:
+        """This curve x the latency ratio the ``live`` points read where they ran, ``T_m``
+        kept: per load (points within ``_LOAD_BIN`` of each other's throughput) the median
+        ratio live / curve; between loads interpolated in log, flat below the lightest, and
+        fading to 1 at the replay's highest point above the heaviest."""
         top = float(self.rates[-1])
-        base = float(self.latency(load))
-        if not load < top or not base > 0:  # nothing below T_m to correct
+        knots: list[tuple[float, float]] = []  # (throughput, log ratio)
+        group: list[tuple[float, float]] = []
+        for p in sorted(live, key=lambda p: p.throughput):
+            base = float(self.latency(p.throughput))
+            if not (p.throughput < top and base > 0 and math.isfinite(base) and p.lat_mean > 0):
+                continue  # past T_m: such a point only raises T_m
+            if group and p.throughput > group[0][0] * (1.0 + _LOAD_BIN):
+                knots.append(_knot(group))
+                group = []
+            group.append((p.throughput, math.log(p.lat_mean / base)))
+        if group:
+            knots.append(_knot(group))
+        if not knots:
             return self
-        ratio = float(self._timed(speed).latency(load)) / base
-        grid = np.union1d(self.rates, np.linspace(load, top, _FADE_KNOTS))
-        weight = np.clip((top - grid) / (top - load), 0.0, 1.0)  # 1 up to load, 0 at the top
-        factor = np.exp(math.log(ratio) * weight)
+        xs = np.array([x for x, _ in knots] + [top])
+        ys = np.array([y for _, y in knots] + [0.0])
+        grid = np.union1d(self.rates, np.linspace(xs[0], top, _FADE_KNOTS))
+        grid = np.union1d(grid, xs)
+        factor = np.exp(np.interp(grid, xs, ys))  # flat below the lightest load
         lat = {
             k: np.maximum.accumulate(np.interp(grid, self.rates, v) * factor)
             for k, v in self.lat.items()
@@ -182,7 +199,7 @@ class Profile:
         if speed <= 1.0:
             got = self._timed(speed)
         else:
-            got = self._faded(speed, statistics.median(p.throughput for p in pts))
+            got = self._faded(pts)
         got = replace(got, corrected_by=len(pts), speed=speed)
         top = pts[-1]
         if top.throughput < got.saturation:
@@ -265,3 +282,11 @@ def _same(a: ProfileKey, b: ProfileKey) -> bool:
     return (a.model, a.engine, a.gpu_type, a.tp) == (b.model, b.engine, b.gpu_type, b.tp) and abs(
         a.share - b.share
     ) < 1e-9
+
+
+def _knot(group: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """One load's (median throughput, median log ratio)."""
+    return (
+        statistics.median(x for x, _ in group),
+        statistics.median(y for _, y in group),
+    )

@@ -203,6 +203,17 @@ def test_a_faster_reading_keeps_t_m_and_fades_back_to_the_replay_at_the_top() ->
     assert np.all(np.diff(got.latency(np.linspace(0, 9.99, 200))) >= 0)
 
 
+def test_faster_readings_at_two_loads_correct_each_load_and_between() -> None:
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    pts = [live(1.0, 0.5), live(1.1, 0.5, t=1001.0), live(6.0, 0.8, t=1002.0)]
+    got = ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0)
+    ratio = got.latency(np.array([1.0, 6.0, 9.99])) / replayed.latency([1.0, 6.0, 9.99])
+    read = pts[2].lat_mean / float(replayed.latency(6.0))  # the curve interpolates 5..7
+    assert ratio[0] == pytest.approx(0.5, rel=0.05) and ratio[1] == pytest.approx(read)
+    assert ratio[2] == pytest.approx(1.0, rel=0.02)  # back to the replay at its top
+    assert got.saturation == replayed.saturation
+
+
 def test_the_median_reading_wins_over_one_outlier() -> None:
     pts = [at_speed(2.0, 0.8, t=1000.0), at_speed(3.0, 0.8, t=1001.0), live(2.5, 30.0, t=1002.0)]
     assert ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0).speed == pytest.approx(0.8, rel=0.05)
