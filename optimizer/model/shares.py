@@ -11,13 +11,14 @@ The model. A replica on share ``s`` of a GPU, derived from a profiled share ``c`
     T_s     = r · T_c                                  (saturation throughput)
     L_s(λ)  = L⁰_c · r^-β  +  (L_c(λ/r) - L⁰_c) / r      (each latency statistic)
 
-``L⁰`` is the curve's light-load latency (its lightest point); ``L_c(λ/r) - L⁰_c`` the excess
-that queueing and batching add at the same utilisation ``rho = λ / T`` (``λ/r`` on ``c`` is ``λ`` on
-``s`` at equal ``rho``). The two regimes: at light load a call is one batch of one request, and a
-share slows it far less than proportionally (the memory-bound weight streaming keeps the whole
-GPU's bandwidth; only compute shrinks): ``r^-β`` with ``0 <= β <= 1``. Near saturation the
-excess, which grows as ``1 / (T - λ)``-like queueing, dominates, and it scales as ``1/r`` with the
-capacity, so the curve moves continuously in ``rho`` from ``r^-β`` to the linear ``1/r``. With
+``L⁰`` is the curve's light-load latency (its lightest point); ``L_c(λ/r) - L⁰_c`` the
+excess that queueing and batching add at the same utilisation ``rho = λ / T`` (``λ/r`` on
+``c`` is ``λ`` on ``s`` at equal ``rho``). The two regimes: at light load a call is one batch
+of one request, and a share slows it far less than proportionally (the memory-bound weight
+streaming keeps the whole GPU's bandwidth; only compute shrinks): ``r^-β`` with
+``0 <= β <= 1``. Near saturation the excess, which grows as ``1 / (T - λ)``-like queueing,
+dominates, and it scales as ``1/r`` with the capacity, so the curve moves continuously in
+``rho`` from ``r^-β`` to the linear ``1/r``. With
 ``β = 1`` it is exactly linear scaling (``L_c(λ/r)/r``). Saturation throughput scales by ``r``
 and never more: a share is a subset of the GPU (``r · T_c`` bounds a derived share from above
 when scaled down, from below when scaled up from a smaller share).
@@ -43,17 +44,18 @@ corrected the curve divide ``u`` by ``sqrt(1 + n)``. A curve never extrapolates 
 below its lightest point, ``inf`` past ``T_m``), so rate extrapolation needs no term.
 
 The constants are measured on ``python -m sim.profiles --shares 1,0.75,0.5,0.25`` (simulated,
-A6000, its default ``--gpu``; the demo's five models): its share pairs give ``β`` from 0.06 to 1.0, median 0.35
-(:data:`DEFAULT_BETA`; per model 0.10 to 0.78). Each ``K`` is about the median relative error
-of mean latency (points below 80% of the measured ``T_m``) per unit of ``|ln r|`` (per unit of
-the bridge when interpolated) when a share is predicted from the others: 0.3 with the model's
-own ``β``, 0.45 with other models' (the book's), 0.3 to 0.45 with the default fitted on those
-same profiles (0.5 here: out of sample, on another GPU, it can only be worse), 0.4 between two
-shares (0.5 here: the medians hide a 26% miss at 0.75 where ``β`` bends). Linear scaling
-misses by a median 32% / 68% / 158% at shares 0.75 / 0.5 / 0.25 of those profiles, this model
-from the whole GPU alone with the default ``β`` by 13% / 22% / 39%. In that simulator ``r · T`` is
-below the measured saturation (0.8 to 0.98 of it: a share keeps the GPU's memory bandwidth),
-so a derived capacity errs low, on the safe side.
+A6000, its default ``--gpu``; the demo's five models): its share pairs give ``β`` from 0.06 to
+1.0, median 0.35 (:data:`DEFAULT_BETA`; per model 0.10 to 0.78). Each ``K`` is about the
+median relative error of mean latency (points below 80% of the measured ``T_m``) per unit of
+``|ln r|`` (per unit of the bridge when interpolated) when a share is predicted from the
+others: 0.3 with the model's own ``β``, 0.45 with other models' (the book's), 0.3 to 0.45 with
+the default fitted on those same profiles (0.5 here: out of sample, on another GPU, it can only
+be worse), 0.4 between two shares (0.5 here: the medians hide a 26% miss at 0.75 where ``β``
+bends). Linear scaling misses by a median 32% / 68% / 158% at shares 0.75 / 0.5 / 0.25 of those
+profiles, this model from the whole GPU alone with the default ``β`` by 13% / 22% / 39%. In that
+simulator ``r · T`` is below the measured saturation (0.8 to 0.98 of it, 0.6 where the whole
+GPU's own ``T_m`` reads low: a share keeps the GPU's memory bandwidth), so a derived capacity
+errs low, on the safe side.
 """
 
 from __future__ import annotations
