@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from optimizer.model.curves import Profile, ProfileBook
+from optimizer.model.shares import Beta
 from optimizer.store.profiles import load_points, load_points_async, save_points, save_points_async
 from shared.profile_points import ProfileError, ProfilePoint, export_json, import_json
 
@@ -134,7 +135,10 @@ def test_scaled_share() -> None:
     half = full.scaled(0.5)
     assert half.saturation == pytest.approx(MU / 2)
     assert half.scaled_from == 1.0
-    assert half.latency(2.5) == pytest.approx(full.latency(5.0) / 0.5)
+    # a share slows light load less than in proportion (linear would read 1/0.5 x)
+    assert full.latency(5.0) < half.latency(2.5) < full.latency(5.0) / 0.5
+    linear = full.scaled(0.5, Beta(1.0, "model"))  # beta 1: linear by construction
+    assert linear.latency(2.5) == pytest.approx(full.latency(5.0) / 0.5)
 
 
 def test_book_prefers_measured_then_scales() -> None:
