@@ -135,7 +135,7 @@ async def test_an_engine_restarted_slower_is_corrected_within_a_bounded_number_o
         if clock.t - 40 < T0 + 200 < clock.t - 3:  # it holds the restart
             assert report.live_points == ()
         got = float((await daemon._book()).lookup("llama-3-8b", 1, 1.0).latency(2.0))
-        if passes and abs(got - 1.0) <= 0.15 or passes > 10:
+        if (passes and abs(got - 1.0) <= 0.15) or passes > 10:
             break
     # 1 pass whose window straddles the restart, then the median of LIVE_KEEP = 5 points
     # turns after 3 new ones
