@@ -30,7 +30,11 @@ Invariants:
   ``_LOAD_BIN`` of each other's throughput), interpolated between those loads, flat below the
   lightest and fading (in log) back to the replayed curve at the replay's highest point above
   the heaviest; it keeps ``T_m``, unless a point read past ``T_m``
-  raises it to the throughput it sustained. The corrected curve says how many live points made
+  raises it to the throughput it sustained. A *saturated* live point (its window overloaded:
+  offered above throughput, :mod:`optimizer.model.live`) says what the replica serves when it
+  cannot keep up: their median throughput below ``T_m`` slows the curve (in time) to reach
+  ``T_m`` there, if the other points do not slow it more; its latency (a queue's) is not read.
+  The corrected curve says how many live points made
   it (``corrected_by``) and their speed (``speed``). Live points of a model with no replayed curve
   make no curve; without live points every curve is exactly the replayed one. The blend is
   pure and deterministic (which live points count, the newest few per key, is the store's
@@ -195,11 +199,20 @@ class Profile:
         if not live:
             return self
         pts = sorted(live, key=lambda p: (p.throughput, p.observed_at, p.lat_mean))
-        speed = statistics.median(self.speed_at(p.throughput, p.lat_mean) for p in pts)
+        following = [p for p in pts if p.throughput >= (1 - FOLLOW_TOLERANCE) * p.offered_rate]
+        saturated = [p for p in pts if p not in following]
+        speed = math.inf
+        if following:
+            speed = statistics.median(self.speed_at(p.throughput, p.lat_mean) for p in following)
+        if saturated:  # it served this much while it could not keep up: T_m is no more
+            cap = statistics.median(p.throughput for p in saturated) / self.saturation
+            speed = min(speed, max(MIN_FACTOR, cap))
         if speed <= 1.0:
             got = self._timed(speed)
-        else:
-            got = self._faded(pts)
+        elif following:
+            got = self._faded(following)
+        else:  # saturated only, past T_m: the raise below is all they say
+            got, speed = self, 1.0
         got = replace(got, corrected_by=len(pts), speed=speed)
         top = pts[-1]
         if top.throughput < got.saturation:

@@ -14,28 +14,46 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
   calls from the window's first half (an engine started before the window may have been
   loading weights through part of it);
 - at least ``MIN_CALLS`` finished calls over a window at least ``min_window_s`` long;
-- not overloaded: calls started but not finished in the window at most ``MAX_BACKLOG`` of those
-  started, and the mean latency of calls started in the window's second half at most
-  ``MAX_RISE`` x that of the first half (a queue building up reads as rising latency);
 - the point's rates are those the replica served, so the curve it corrects is read at the load
-  the replica actually saw; nothing here extrapolates.
+  the replica actually saw; nothing here extrapolates;
+- an overloaded window — calls started but not finished in it more than ``MAX_BACKLOG`` of
+  those started, or the mean latency of calls started in its second half above ``MAX_RISE`` x
+  that of its first half (a queue building up reads as rising latency) — makes a *saturated*
+  point: what the replica served while it could not keep up is what it can serve, so the
+  point says so as a replayed overloaded point does, with an offered rate above its throughput
+  (the calls started per second, at least ``SATURATED_OFFER`` x the throughput); its latency
+  (a queue's) corrects nothing, its throughput caps ``T_m`` (:mod:`optimizer.model.curves`).
+  Without saturated points a replica that became slower would teach nothing until its queue
+  drained.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol
 
 from optimizer.stats.replica_load import ReplicaLoad
 from shared.profile_points import ProfilePoint
 
-__all__ = ["MAX_BACKLOG", "MAX_RISE", "MIN_CALLS", "Replica", "live_points", "verdict"]
+__all__ = [
+    "MAX_BACKLOG",
+    "MAX_RISE",
+    "MIN_CALLS",
+    "OVERLOADED",
+    "SATURATED_OFFER",
+    "Replica",
+    "live_points",
+    "verdict",
+]
 
 MIN_CALLS = 20  # finished calls: below this a window's mean and p99 are noise
 MAX_BACKLOG = 0.10  # (started - finished) / started above this: the replica fell behind
 MAX_RISE = 1.5  # second-half / first-half mean latency above this: a queue was building
+SATURATED_OFFER = 1.25  # a saturated point's offered rate, x its throughput at least
 UNKNOWN_ENGINE = "unknown"  # engine of a model no replayed profile names
+OVERLOADED = "overloaded"  # how a verdict that makes a saturated point begins
 
 
 class Replica(Protocol):
@@ -61,8 +79,8 @@ def verdict(
     seen_since: float | None,
     min_window_s: float,
 ) -> str | None:
-    """Why ``load`` is not trusted (``None``: it is). ``seen_since``: since when the replica
-    runs (epoch s)."""
+    """Why ``load`` is not trusted (``None``: it is; a reason starting with ``OVERLOADED``:
+    only as a saturated point). ``seen_since``: since when the replica runs (epoch s)."""
     if replica is None:
         return "no running replica at this URL"
     if not replica.ready:
@@ -78,10 +96,10 @@ def verdict(
     if not math.isfinite(load.lat_mean_early):  # started before, but serving only since
         return "no call finished from the window's first half"
     if load.started - load.finished > MAX_BACKLOG * load.started:
-        return f"overloaded: {load.started} calls started, {load.finished} finished"
+        return f"{OVERLOADED}: {load.started} calls started, {load.finished} finished"
     early, late = load.lat_mean_early, load.lat_mean_late
     if math.isfinite(early) and math.isfinite(late) and late > MAX_RISE * early:
-        return f"overloaded: latency rose from {early:.3f} s to {late:.3f} s in the window"
+        return f"{OVERLOADED}: latency rose from {early:.3f} s to {late:.3f} s in the window"
     return None
 
 
@@ -93,9 +111,9 @@ def live_points(
     engines: Mapping[str, str],
     min_window_s: float,
 ) -> list[ProfilePoint]:
-    """The trusted loads as live points. ``seen_since``: per replica URL, when it was first
-    seen running (epoch s); ``gpu_types``: per node, its GPU type; ``engines``: per model, the
-    engine its replayed profile names."""
+    """The trusted loads as live points, overloaded ones as saturated points. ``seen_since``:
+    per replica URL, since when it runs (epoch s); ``gpu_types``: per node, its GPU type;
+    ``engines``: per model, the engine its replayed profile names."""
     # the proxy records the route's URL as given, the settings strip a trailing slash
     by_url = {(r.model, r.url.rstrip("/")): r for r in replicas}
     since_by_url = {u.rstrip("/"): t for u, t in seen_since.items()}
@@ -103,9 +121,15 @@ def live_points(
     for load in sorted(loads, key=lambda ld: (ld.model, ld.upstream)):
         replica = by_url.get((load.model, load.upstream.rstrip("/")))
         since = since_by_url.get(load.upstream.rstrip("/"))
-        if replica is None or verdict(load, replica, since, min_window_s) is not None:
+        if replica is None:
             continue
-        out.append(_point(load, replica, gpu_types, engines))
+        why = verdict(load, replica, since, min_window_s)
+        if why is None:
+            out.append(_point(load, replica, gpu_types, engines))
+        elif why.startswith(OVERLOADED):
+            point = _point(load, replica, gpu_types, engines)
+            offered = max(load.started / load.window_s, SATURATED_OFFER * point.throughput)
+            out.append(replace(point, offered_rate=offered))
     return out
 
 

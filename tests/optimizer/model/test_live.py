@@ -71,17 +71,27 @@ def test_a_good_window_makes_one_live_point_of_the_replica_key() -> None:
     [
         (_load(started=19, finished=19), "calls <"),
         (_load(t_to_us=round((T0 + 15) * S)), "window"),
-        (_load(started=120, finished=100), "overloaded"),
-        (_load(lat_mean_early=0.4, lat_mean_late=0.9), "latency rose"),
         (_load(lat_mean_early=math.nan), "first half"),
     ],
 )
-def test_too_few_calls_a_short_window_or_an_overload_make_no_point(
+def test_too_few_calls_a_short_window_or_a_late_start_make_no_point(
     load: ReplicaLoad, why: str
 ) -> None:
     assert _points(load) == []
     reason = verdict(load, _Replica(), T0 - 100, 20.0)
     assert reason is not None and why in reason
+
+
+def test_an_overloaded_window_makes_a_saturated_point() -> None:
+    backlog = _load(started=160, finished=100)
+    (p,) = _points(backlog)
+    assert p.throughput == pytest.approx(100 / 40) and p.offered_rate == pytest.approx(160 / 40)
+    rising = _load(lat_mean_early=0.4, lat_mean_late=0.9)  # started == finished: still marked
+    (q,) = _points(rising)
+    assert q.offered_rate == pytest.approx(live.SATURATED_OFFER * q.throughput)
+    for load in (backlog, rising):
+        reason = verdict(load, _Replica(), T0 - 100, 20.0)
+        assert reason is not None and reason.startswith(live.OVERLOADED)
 
 
 def test_a_replica_not_ready_replaced_or_unknown_makes_no_point() -> None:

@@ -218,6 +218,24 @@ def test_faster_readings_at_two_loads_correct_each_load_and_between() -> None:
     assert got.saturation == replayed.saturation
 
 
+def test_saturated_readings_cap_t_m_and_a_slower_curve_follows() -> None:
+    """A replica that served 4 calls/s while it could not keep up (replay: T_m 10)."""
+    replayed = ProfileBook(mm1()).lookup("gen", 1, 1.0)
+    sat = replace(live(4.0, 1.0), offered_rate=6.0, lat_mean=9.0)  # its latency is a queue's
+    got = ProfileBook([*mm1(), sat]).lookup("gen", 1, 1.0)
+    assert got.saturation == pytest.approx(4.0 * (1 + 1e-6), rel=1e-3)
+    assert got.speed == pytest.approx(4.0 / replayed.saturation, rel=1e-3)
+    assert got.latency(1.0) == pytest.approx(replayed.latency(1.0 / got.speed) / got.speed)
+    # a following reading slower still wins; a faster one does not lift the cap
+    slow = ProfileBook([*mm1(), sat, at_speed(1.0, 0.3)]).lookup("gen", 1, 1.0)
+    assert slow.speed == pytest.approx(0.3, rel=0.05)
+    fast = ProfileBook([*mm1(), sat, live(1.0, 0.5)]).lookup("gen", 1, 1.0)
+    assert fast.speed == got.speed
+    # a saturated reading past T_m only says the replica served more
+    above = replace(live(0.0, 1.0), offered_rate=15.0, throughput=12.0, lat_mean=5.0)
+    assert ProfileBook([*mm1(), above]).lookup("gen", 1, 1.0).saturation >= 12.0
+
+
 def test_the_median_reading_wins_over_one_outlier() -> None:
     pts = [at_speed(2.0, 0.8, t=1000.0), at_speed(3.0, 0.8, t=1001.0), live(2.5, 30.0, t=1002.0)]
     assert ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0).speed == pytest.approx(0.8, rel=0.05)
