@@ -9,9 +9,11 @@ can drive them with any sequence of windows:
    traffic ever (``initial``), a new workflow or a new model in a workflow (at once), and, only
    once they held for ``windows_to_confirm`` consecutive windows, a rate shift past
    ``rate_change_threshold`` (in one direction: a streak resets when the sign flips), a token
-   length drift, or observed latency straying from the running allocation's prediction
-   (checked only on windows starting after the last rollout ended). A confirmed change means
-   "search again".
+   length drift, observed latency straying from the running allocation's prediction, or the
+   running allocation predicted past capacity at the observed arrival rate (``over_capacity``:
+   a replica that became slower lowers its curve while overloaded, when too few requests
+   complete to judge latency; both checked only on windows starting after the last rollout
+   ended). A confirmed change means "search again".
 2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
    allocation's and the proposal's predicted latency at the observed rate, and how much of
    the allocation the move restarts) and decides. A rollout happens only after the cooldown, and
@@ -61,7 +63,13 @@ __all__ = [
 ]
 
 ChangeKind = Literal[
-    "initial", "new_workflow", "new_model", "rate_shift", "token_drift", "latency_drift"
+    "initial",
+    "new_workflow",
+    "new_model",
+    "rate_shift",
+    "token_drift",
+    "latency_drift",
+    "over_capacity",
 ]
 DecisionKind = Literal[
     "no_data",  # no workflow has enough completed requests yet
@@ -232,6 +240,25 @@ def detect(
                         ),
                     )
                 )
+    # What runs cannot carry the traffic by the profiles as corrected (a replica that became
+    # slower teaches its capacity while overloaded, when too few requests complete to judge
+    # latency): a workflow with arrivals predicted past capacity.
+    for w, o in sorted(snap.workflows.items()):
+        pred = (predicted_now or {}).get(w)
+        after = state.last_rollout_end is None or snap.t - snap.window_s >= state.last_rollout_end
+        if pred is not None and math.isinf(pred) and o.rate > 0 and after and w in base.workflows:
+            seen.append(
+                (
+                    f"capacity:{w}",
+                    Change(
+                        "over_capacity",
+                        w,
+                        None,
+                        math.nan,
+                        f"{w}: what runs cannot carry {o.rate:.3g}/s by the profiles",
+                    ),
+                )
+            )
     for w, old in sorted(base.workflows.items()):
         if old.requests < cfg.min_requests and w not in trusted:
             continue  # a trickle (an index build, a probe) is not traffic to plan for

@@ -253,6 +253,30 @@ def test_new_workflows_and_models_act_at_once_token_and_latency_drift_need_confi
     ]
 
 
+def test_an_allocation_predicted_past_capacity_is_searched_again_once_confirmed() -> None:
+    """A replica that became slower: 2 requests completed in the window (below min_requests),
+    the corrected profiles say what runs cannot carry the arrivals."""
+    cfg = replace(CFG, windows_to_confirm=2)
+    state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
+    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(1.0, 2, latency=30.0)}))
+    first = detect(state, snap, cfg, predicted_now={"rag": math.inf})
+    assert not first.act and [c.kind for c in first.pending] == ["over_capacity"]
+    second = detect(
+        replace(state, streaks=first.streaks),
+        replace(snap, t=120),
+        cfg,
+        predicted_now={"rag": math.inf},
+    )
+    assert [c.kind for c in second.changes] == ["over_capacity"]
+    # a finite prediction, no arrivals, or a window overlapping the last rollout: nothing
+    assert not detect(state, snap, cfg, predicted_now={"rag": 40.0}).pending
+    idle = Snapshot(60, 120, MappingProxyType({"rag": _obs(0.0, 2, latency=30.0)}))
+    kinds = {c.kind for c in detect(state, idle, cfg, {"rag": math.inf}).pending}
+    assert kinds == {"rate_shift"}  # traffic gone is a shift down, not a lack of capacity
+    recent = replace(state, last_rollout_end=50.0)
+    assert not detect(recent, snap, cfg, predicted_now={"rag": math.inf}).pending
+
+
 def test_failures_and_failed_rollouts_keep_the_change_for_a_retry() -> None:
     state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
     cfg = replace(CFG, windows_to_confirm=1)
