@@ -7,14 +7,14 @@ emulated engines (every figure here is *emulated*).
    A6000, its fan-out worker on another) behind a proxy recording into a fresh store;
 2. the trace: ``examples.load --workflow agent`` at a light load, long enough that the
    profiler replays its calls without running out of them;
-3. the product path, no hand tuning: ``scepsy stats --json`` on the store, ``scepsy profile
-   --quick`` of each model from that trace (fresh emulators the profiler starts itself, same
-   keys), and the ALP's ``predict`` on the pipeline the statistics give and the profile book
+3. the product path, no hand tuning: ``scepsy stats --json`` on the store, ``scepsy profile``
+   of each model from that trace (its default sweep; ``--quick`` in a quick run; fresh
+   emulators the profiler starts itself, same keys), and the ALP's ``predict`` on the pipeline the statistics give and the profile book
    the store holds (what the daemon reads): the capacity ``T_w`` and the mean latency at
    fractions of it;
 4. the truth: the same workflow driven at those fractions (mean latency of the requests after
    a warm-up, from the store's request spans), and the rate where it stops keeping up,
-   bracketed from the predicted ``T_w`` and bisected (:mod:`bench.accuracy.knee`);
+   bracketed from the predicted ``T_w`` and bisected (:mod:`bench.accuracy.agent_figures`);
 5. the report: capacity error (predicted vs the emulated knee; target within 10%) and mean
    latency error per load (target within 15% up to 80%), with the per-stage figures (calls per
    request, call latency per model, tool time) measured beside what the ALP used, so a miss
@@ -48,14 +48,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy.knee import (
+from bench.accuracy.agent_figures import (
+    LABEL,
     Bracket,
     RunJudgement,
     Span,
+    curve_doc,
+    expected_calls,
     judge,
+    knee_doc,
     mean_latency,
     next_rate,
+    num,
+    pipeline_from_stats,
+    prediction_doc,
     relative_error,
+    summary,
 )
 from bench.speed.emulator_lag import (
     REPO,
@@ -67,14 +75,13 @@ from bench.speed.emulator_lag import (
     single_threaded_env,
 )
 from examples.agent_loop import AgentConfig
-from optimizer.model.alp import ModelAlloc, Overlap, Pipeline, Prediction, predict
+from optimizer.model.alp import ModelAlloc, Pipeline, predict
 from optimizer.model.curves import ProfileBook
 from optimizer.stats.figures import Window
 from optimizer.stats.reader import summarise_store
 from optimizer.store import profiles
 from shared.store import StoreReader
 
-LABEL = "emulated"
 WORKFLOW = "agent"
 GPU = "a6000"
 AGENT = AgentConfig()
@@ -83,7 +90,6 @@ ALLOCATION = {m: ModelAlloc(replicas=1, tp=1, share=1.0) for m in MODELS}
 # The proxy writes a segment at least this often (shared.settings.StoreSettings' default):
 # a run's records are all readable this long after its last call ended.
 STORE_FLUSH_S = 5.0
-CAPACITY_TARGET, LATENCY_TARGET, LATENCY_LOAD_LIMIT = 0.10, 0.15, 0.8
 MS = 1e6  # microseconds per second
 
 
@@ -128,94 +134,29 @@ QUICK = Plan(
 PROFILE_CPU_BUDGET = 0.15
 
 
-def expected_calls(cfg: AgentConfig) -> dict[str, float]:
-    """Calls per request the agent makes on average (its loop, in closed form): the planner
-    once per step, the worker ``fan_out`` times on each non-final step that fans out."""
-    steps, alive = 0.0, 1.0  # expected steps; probability the loop reaches step k
-    for k in range(1, cfg.max_steps + 1):
-        steps += alive
-        if k >= cfg.min_steps:
-            alive *= 0.0 if k == cfg.max_steps else 1.0 - cfg.p_stop
-    return {cfg.planner: steps, cfg.worker: (steps - 1.0) * cfg.p_fan_out * cfg.fan_out}
-
-
-def pipeline_from_stats(doc: dict[str, Any], speedup: float) -> Pipeline:
-    """The ALP's pipeline from ``scepsy stats --json``'s workflow entry, as
-    ``Pipeline.from_stats`` builds it from the same figures; tool time in model seconds."""
-    models = doc["models"]
-    busy = {m: float(v["busy_mean"] or math.nan) for m, v in models.items()}
-    pairs = [
-        Overlap.traced(a, b, float(o["together_s"]), busy.get(a, math.nan), busy.get(b, math.nan))
-        for o in doc.get("overlaps", [])
-        for a, b in [o["models"]]
-    ]
-    return Pipeline.from_figures(
-        WORKFLOW,
-        {m: (float(v["n"]), float(v["p_agg"] or math.nan)) for m, v in models.items()},
-        overlap=float(doc["overlap_factor"] or math.nan),
-        tool_time=float(doc["tool_time_mean"] or 0.0) * speedup,
-        overlaps=[o for o in pairs if o is not None],
-    )
-
-
 def profile_argv(plan: Plan, store: Path, model: str, export: Path) -> list[str]:
     """``scepsy profile`` of ``model`` at the allocation's key, from the store's trace."""
     key = ALLOCATION[model]
-    return [
-        "profile",
-        "--store",
-        str(store),
-        "--model",
-        model,
-        "--gpu",
-        GPU,
-        "--tp",
-        str(key.tp),
-        "--shares",
-        str(key.share),
-        "--cpu-budget",
-        str(PROFILE_CPU_BUDGET),
-        "--export",
-        str(export),
-        *(["--quick"] if plan.profile_quick else []),
-    ]
+    flags = {
+        "--store": store,
+        "--model": model,
+        "--gpu": GPU,
+        "--tp": key.tp,
+        "--shares": key.share,
+        "--cpu-budget": PROFILE_CPU_BUDGET,
+        "--export": export,
+    }
+    return ["profile", *_argv(flags), *(["--quick"] if plan.profile_quick else [])]
+
+
+def _argv(flags: dict[str, object]) -> list[str]:
+    return [word for flag, value in flags.items() for word in (flag, str(value))]
 
 
 def notable(log: str) -> list[str]:
     """The lines of a ``scepsy profile`` run that say how far to trust it."""
     words = ("speedup", "lagged", "saturation", "not stored", "could not send", "prefix-hit")
     return [" ".join(ln.split()) for ln in log.splitlines() if any(w in ln for w in words)]
-
-
-def prediction_doc(p: Prediction) -> dict[str, Any]:
-    return {
-        "rate": p.rate,
-        "latency_s": _num(p.latency),
-        "throughput": _num(p.throughput),
-        "bottleneck": p.bottleneck,
-        "stages": {
-            s.model: {
-                "call_rate": s.call_rate,
-                "call_latency_s": _num(s.call_latency),
-                "contribution_s": _num(s.contribution),
-                "capacity": _num(s.capacity),
-            }
-            for s in p.stages
-        },
-    }
-
-
-def curve_doc(book: ProfileBook, model: str) -> dict[str, Any]:
-    """The curve the ALP reads for ``model`` at the allocation's key: T_m and its points."""
-    prof = book.lookup(model, 1, 1.0)
-    return {
-        "saturation": prof.saturation,
-        "points": [[float(r), float(x)] for r, x in zip(prof.rates, prof.lat["mean"], strict=True)],
-    }
-
-
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 # ---- effects -------------------------------------------------------------------------------
@@ -262,23 +203,16 @@ async def drive(
     s = plan.speedup
     before = await scrape_all(stack)
     t_from = int(time.time() * MS)
+    flags = {
+        "--workflow": WORKFLOW,
+        "--rate": rate * s,
+        "--duration": duration / s,
+        "--seed": seed,
+        "--tool-s": AGENT.tool_s / s,
+        "--base-url": stack.base_url,
+    }
     code, out = await _subprocess(
-        [
-            "-m",
-            "examples.load",
-            "--workflow",
-            WORKFLOW,
-            "--rate",
-            repr(rate * s),
-            "--duration",
-            repr(duration / s),
-            "--seed",
-            str(seed),
-            "--tool-s",
-            repr(AGENT.tool_s / s),
-            "--base-url",
-            stack.base_url,
-        ],
+        ["-m", "examples.load", *_argv(flags)],
         timeout_s=duration / s * 4 + 120,
         log=logs / f"load-{seed}.log",
     )
@@ -358,11 +292,81 @@ def _run_doc(run: Run) -> dict[str, Any]:
     }
 
 
+async def product_path(
+    stack: EmulatedStack, plan: Plan, work: Path, doc: dict[str, Any]
+) -> tuple[Pipeline, ProfileBook]:
+    """``scepsy stats`` and ``scepsy profile`` on the trace, as a user runs them; the
+    pipeline and profile book the ALP predicts from (what the daemon would read)."""
+    store = stack.store
+    raw = await scepsy(["stats", "--store", str(store), "--json"], 120, work / "stats.log")
+    doc["stats"] = wf = json.loads(raw)["workflows"][WORKFLOW]
+    doc["profile_logs"] = {}
+    for m in MODELS:
+        log = work / f"profile-{m}.log"
+        argv = profile_argv(plan, store, m, work / f"profile-{m}.json")
+        await scepsy(argv, plan.profile_timeout_s, log)
+        notes = notable(log.with_suffix(".out").read_text())
+        doc["profile_logs"][m] = {"command": " ".join(["scepsy", *argv]), "notes": notes}
+    return pipeline_from_stats(WORKFLOW, wf, plan.speedup), ProfileBook(profiles.load_points(store))
+
+
+def predicted_doc(
+    pipeline: Pipeline, book: ProfileBook, wf: dict[str, Any], plan: Plan
+) -> dict[str, Any]:
+    """The ALP's capacity, and its predictions at the traced rate and at the loads."""
+    capacity = predict(pipeline, book, ALLOCATION, 1e-9).throughput
+    traced = predict(pipeline, book, ALLOCATION, float(wf["arrival_rate"]) / plan.speedup)
+    return {
+        "pipeline": {
+            "stages": [asdict(s) for s in pipeline.stages],
+            "overlap": pipeline.overlap,
+            "tool_time_s": pipeline.tool_time,
+            "overlaps": [asdict(o) for o in pipeline.overlaps],
+        },
+        "profiles": {m: curve_doc(book, m, ALLOCATION[m]) for m in MODELS},
+        "capacity": capacity,
+        "at_traced_rate": prediction_doc(traced)
+        | {"traced_latency_mean_s": float(wf["latency_mean"]) * plan.speedup},
+        "at_loads": {
+            str(f): prediction_doc(predict(pipeline, book, ALLOCATION, f * capacity))
+            for f in plan.loads
+        },
+    }
+
+
+async def knee_search(
+    stack: EmulatedStack, plan: Plan, capacity: float, work: Path
+) -> tuple[Bracket, list[tuple[Run, RunJudgement]]]:
+    """Runs from the predicted capacity until the knee is bracketed (bench.accuracy.agent_figures)."""
+    bracket, probes = Bracket(), list[tuple[Run, RunJudgement]]()
+    while len(probes) < plan.knee_probes:
+        rate = next_rate(bracket, capacity, plan.knee_step, plan.knee_precision)
+        if rate is None:
+            break
+        run = await drive(stack, plan, rate, plan.knee_s, 20 + len(probes), work)
+        await settled(run)
+        probes.append((run, judge(spans(stack.store, run, plan.speedup), rate, plan.knee_s)))
+        bracket = bracket.add(probes[-1][1])
+    return bracket, probes
+
+
+def latency_doc(store: Path, run: Run, predicted: float | None, plan: Plan) -> dict[str, Any]:
+    """A latency run's mean after its warm-up against the prediction, and its stages."""
+    mean, se, n = mean_latency(spans(store, run, plan.speedup), run.duration, plan.latency_warm)
+    return _run_doc(run) | {
+        "measured_mean_s": mean,
+        "measured_se_s": se,
+        "requests": n,
+        "predicted_mean_s": predicted,
+        "error": num(relative_error(math.inf if predicted is None else predicted, mean)),
+        "measured_stages": measured_stages(store, run, plan),
+    }
+
+
 async def measure(plan: Plan, out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
-    engines = [EngineProcess(m, GPU) for m in MODELS]
     doc: dict[str, Any] = {
         "label": LABEL,
         "units": "model seconds (wall x speedup); rates per model second",
@@ -371,117 +375,31 @@ async def measure(plan: Plan, out: Path) -> dict[str, Any]:
         "agent": asdict(AGENT),
         "expected_calls_per_request": expected_calls(AGENT),
     }
-    async with EmulatedStack(engines, plan.speedup, work) as stack:
-        store = stack.store
-        # 2. the trace
-        trace = await drive(stack, plan, plan.trace_rate, plan.trace_s, 1, work)
+    async with EmulatedStack([EngineProcess(m, GPU) for m in MODELS], plan.speedup, work) as st:
+        trace = await drive(st, plan, plan.trace_rate, plan.trace_s, 1, work)
         doc["trace"] = _run_doc(trace)
         await settled(trace)
-        # 3. the product path
-        raw = await scepsy(["stats", "--store", str(store), "--json"], 120, work / "stats.log")
-        stats = json.loads(raw)
-        wf = stats["workflows"][WORKFLOW]
-        doc["stats"] = wf
-        doc["profile_logs"] = {}
-        for m in MODELS:
-            log = work / f"profile-{m}.log"
-            argv = profile_argv(plan, store, m, work / f"profile-{m}.json")
-            await scepsy(argv, plan.profile_timeout_s, log)
-            doc["profile_logs"][m] = {
-                "command": " ".join(["scepsy", *argv]),
-                "notes": notable(log.with_suffix(".out").read_text()),
-            }
+        pipeline, book = await product_path(st, plan, work, doc)
+        doc["predicted"] = pred = predicted_doc(pipeline, book, doc["stats"], plan)
         doc["timeline_s"] = {"product_path_done": time.monotonic() - t0}
-        pipeline = pipeline_from_stats(wf, plan.speedup)
-        book = ProfileBook(profiles.load_points(store))
-        capacity = predict(pipeline, book, ALLOCATION, 1e-9).throughput
-        traced_rate = float(wf["arrival_rate"]) / plan.speedup
-        doc["predicted"] = {
-            "pipeline": {
-                "stages": [asdict(s) for s in pipeline.stages],
-                "overlap": pipeline.overlap,
-                "tool_time_s": pipeline.tool_time,
-                "overlaps": [asdict(o) for o in pipeline.overlaps],
-            },
-            "profiles": {m: curve_doc(book, m) for m in MODELS},
-            "capacity": capacity,
-            "at_traced_rate": prediction_doc(predict(pipeline, book, ALLOCATION, traced_rate))
-            | {"traced_latency_mean_s": float(wf["latency_mean"]) * plan.speedup},
-            "at_loads": {
-                str(f): prediction_doc(predict(pipeline, book, ALLOCATION, f * capacity))
-                for f in plan.loads
-            },
-        }
-        # 4. the truth: latency at the loads ...
-        runs = []
-        for i, f in enumerate(plan.loads):
-            runs.append(await drive(stack, plan, f * capacity, plan.latency_s, 10 + i, work))
+        capacity = pred["capacity"]
+        runs = [
+            await drive(st, plan, f * capacity, plan.latency_s, 10 + i, work)
+            for i, f in enumerate(plan.loads)
+        ]
         doc["timeline_s"]["latency_runs_done"] = time.monotonic() - t0
-        # ... and the knee, bracketed from the prediction
-        bracket, probes = Bracket(), list[tuple[Run, RunJudgement]]()
-        while len(probes) < plan.knee_probes:
-            rate = next_rate(bracket, capacity, plan.knee_step, plan.knee_precision)
-            if rate is None:
-                break
-            run = await drive(stack, plan, rate, plan.knee_s, 20 + len(probes), work)
-            await settled(run)
-            j = judge(spans(store, run, plan.speedup), rate, plan.knee_s)
-            probes.append((run, j))
-            bracket = bracket.add(j)
+        bracket, probes = await knee_search(st, plan, capacity, work)
         doc["timeline_s"]["knee_done"] = time.monotonic() - t0
         await settled(runs[-1])
-        doc["latency"] = {}
-        for f, run in zip(plan.loads, runs, strict=True):
-            mean, se, n = mean_latency(
-                spans(store, run, plan.speedup), run.duration, plan.latency_warm
-            )
-            pred = doc["predicted"]["at_loads"][str(f)]["latency_s"]
-            doc["latency"][str(f)] = _run_doc(run) | {
-                "measured_mean_s": mean,
-                "measured_se_s": se,
-                "requests": n,
-                "predicted_mean_s": pred,
-                "error": _num(relative_error(pred if pred is not None else math.inf, mean)),
-                "measured_stages": measured_stages(store, run, plan),
-            }
-    doc["knee"] = knee_doc(bracket, probes, capacity, plan)
-    doc["summary"] = summary(doc, plan)
+        doc["latency"] = {
+            str(f): latency_doc(st.store, run, pred["at_loads"][str(f)]["latency_s"], plan)
+            for f, run in zip(plan.loads, runs, strict=True)
+        }
+    probe_docs = [(_run_doc(r), j) for r, j in probes]
+    doc["knee"] = knee_doc(bracket, probe_docs, capacity, plan.knee_precision)
+    doc["summary"] = summary(doc, plan.speedup)
     doc["timeline_s"]["total"] = time.monotonic() - t0
     return doc
-
-
-def knee_doc(
-    bracket: Bracket, probes: Sequence[tuple[Run, RunJudgement]], capacity: float, plan: Plan
-) -> dict[str, Any]:
-    overloaded = [j.served_rate for _, j in probes if not j.kept_up]
-    return {
-        "kept_up": bracket.kept_up,
-        "overloaded": bracket.overloaded,
-        "knee": bracket.knee,
-        "closed": bracket.closed(plan.knee_precision),
-        "capacity_error": _num(relative_error(capacity, bracket.knee or math.nan)),
-        # a backlogged run completes requests at the capacity: a second reading of it
-        "served_from_backlog": max(overloaded) if overloaded else None,
-        "probes": [_run_doc(r) | asdict(j) | {"kept_up": j.kept_up} for r, j in probes],
-    }
-
-
-def summary(doc: dict[str, Any], plan: Plan) -> dict[str, Any]:
-    cap_err = doc["knee"]["capacity_error"]
-    lat = {f: v["error"] for f, v in doc["latency"].items()}
-    judged = [e for f, e in lat.items() if float(f) <= LATENCY_LOAD_LIMIT]
-    return {
-        "label": LABEL,
-        "predicted_capacity": doc["predicted"]["capacity"],
-        "emulated_knee": doc["knee"]["knee"],
-        "knee_bracket": [doc["knee"]["kept_up"], doc["knee"]["overloaded"]],
-        "capacity_error": cap_err,
-        "capacity_ok": cap_err is not None and abs(cap_err) <= CAPACITY_TARGET,
-        "latency_error": lat,
-        "latency_ok": bool(judged)
-        and all(e is not None and abs(e) <= LATENCY_TARGET for e in judged),
-        "speedup": plan.speedup,
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:

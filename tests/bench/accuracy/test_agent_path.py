@@ -1,4 +1,4 @@
-"""bench.accuracy.agent_path and bench.accuracy.knee: the pure pieces of the agent bench.
+"""bench.accuracy.agent_path and bench.accuracy.agent_figures: the agent bench's pure pieces.
 
 The bench itself runs for minutes against emulated engines (its smallest run profiles two
 models, ~3 minutes); here its judgement of a run, the knee search on a fake workflow whose
@@ -15,26 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from bench.accuracy.agent_path import (
-    FULL,
-    QUICK,
-    Run,
-    expected_calls,
-    knee_doc,
-    pipeline_from_stats,
-    spans,
-    summary,
-)
-from bench.accuracy.knee import (
+from bench.accuracy.agent_figures import (
     GROWTH_LIMIT,
     Bracket,
     RunJudgement,
     Span,
+    expected_calls,
     judge,
+    knee_doc,
     mean_latency,
     next_rate,
+    pipeline_from_stats,
     relative_error,
+    summary,
 )
+from bench.accuracy.agent_path import FULL, QUICK, Run, profile_argv, spans
 from examples.agent_loop import AgentConfig
 from optimizer.cli.stats import to_json
 from optimizer.model.alp import Pipeline
@@ -75,7 +70,7 @@ def test_the_knee_search_finds_a_fake_capacity_from_a_wrong_prediction() -> None
             bracket = bracket.add(judge(fifo_run(rate, 5.0, 600.0, seed=runs), rate, 600.0))
             runs += 1
         assert bracket.closed(0.05)
-        # the judgement misses an overload under ~5% (knee.py): the knee reads up to ~7% high
+        # the judgement misses an overload under ~5% (agent_figures.py): the knee reads up to ~7% high
         assert bracket.knee == pytest.approx(5.0, rel=0.08)
 
 
@@ -148,7 +143,7 @@ def test_the_pipeline_from_stats_json_is_the_products_with_tool_time_in_model_ti
 ) -> None:
     stats = summarise_store(_agent_store(tmp_path))
     doc = json.loads(json.dumps(to_json(stats)))["workflows"]["agent"]
-    got = pipeline_from_stats(doc, speedup=4.0)
+    got = pipeline_from_stats("agent", doc, speedup=4.0)
     want = Pipeline.from_stats(stats["agent"])
     assert got.stages == want.stages and got.overlaps == want.overlaps
     assert got.overlap == pytest.approx(want.overlap)
@@ -165,17 +160,17 @@ def test_spans_are_model_seconds_from_the_run_start(tmp_path: Path) -> None:
 
 def test_the_report_has_every_field_and_finite_values() -> None:
     runs = [(fifo_run(r, 5.0, 300.0, seed=i), r) for i, r in enumerate((4.5, 5.5, 5.0))]
-    probes = [(Run(r, 300.0, 0, 1, {}, 0.0, 1.0), judge(sp, r, 300.0)) for sp, r in runs]
+    probes = [({"rate": r}, judge(sp, r, 300.0)) for sp, r in runs]
     bracket = Bracket()
     for _, j in probes:
         bracket = bracket.add(j)
-    knee = knee_doc(bracket, probes, 5.2, FULL)
+    knee = knee_doc(bracket, probes, 5.2, 0.05)
     doc = {
         "knee": knee,
         "predicted": {"capacity": 5.2},
         "latency": {"0.2": {"error": 0.05}, "0.5": {"error": -0.1}, "0.8": {"error": 0.12}},
     }
-    got = summary(doc, FULL)
+    got = summary(doc, 4.0)
     assert got["label"] == "emulated"
     for key in ("predicted_capacity", "emulated_knee", "capacity_error", "speedup"):
         assert math.isfinite(got[key]), key
@@ -183,10 +178,17 @@ def test_the_report_has_every_field_and_finite_values() -> None:
     assert got["latency_ok"] is True
     assert knee["served_from_backlog"] == pytest.approx(5.0, rel=0.05)
     json.dumps(knee, allow_nan=False)  # every probe's figures are finite
-    worse = summary(doc | {"latency": {"0.8": {"error": 0.2}}}, FULL)
+    worse = summary(doc | {"latency": {"0.8": {"error": 0.2}}}, 4.0)
     assert worse["latency_ok"] is False
 
 
-def test_the_quick_plan_is_shorter_in_every_phase() -> None:
+def test_the_profile_is_the_products_command_at_the_allocations_key(tmp_path: Path) -> None:
+    full = profile_argv(FULL, tmp_path, "llama-3-8b", tmp_path / "p.json")
+    assert full[0] == "profile" and "--quick" not in full
+    flags = dict(zip(full[1::2], full[2::2], strict=True))
+    assert flags["--model"] == "llama-3-8b" and flags["--store"] == str(tmp_path)
+    assert (flags["--tp"], flags["--shares"], flags["--gpu"]) == ("1", "1.0", "a6000")
+    assert "--speedup" not in flags  # the profiler picks its own (auto)
+    assert profile_argv(QUICK, tmp_path, "llama-3-8b", tmp_path / "p.json")[-1] == "--quick"
     for key in ("trace_s", "latency_s", "knee_s", "knee_probes"):
         assert getattr(QUICK, key) < getattr(FULL, key), key

@@ -1,9 +1,11 @@
-"""What an open-loop run of workflow requests shows: its mean latency, whether it kept up, and
-where a workflow stops keeping up (its knee), found by bracketing and bisecting the rate.
+"""The agent bench's figures: what an open-loop run of requests shows (its mean latency,
+whether it kept up, where the workflow stops keeping up), what the ALP is given, and the
+report's errors against the targets.
 
 Role: the pure half of :mod:`bench.accuracy.agent_path`, which runs the requests (emulated
-engines behind the proxy) and reads each request's span from the trace store. Here a run is
-its requests' arrival and end times, in model seconds from the run's start.
+engines behind the proxy), reads each request's span from the trace store and runs the
+product's commands. Here a run is its requests' arrival and end times, in model seconds
+from the run's start.
 
 A run at ``rate`` for ``duration`` seconds of arrivals is judged over its *window*: the
 arrivals after the first ``warm`` fraction (the pipeline filling). It kept up when both hold:
@@ -29,14 +31,23 @@ the knee is their geometric mean. A run that did not keep up also measures the c
 directly: its window's completions per second, served from a backlog (``served_rate``).
 
 Invariants: pure functions of their arguments; times in one unit (the caller's model
-seconds); a run with no request in its window is neither kept up nor overloaded (it raises).
+seconds); a run with no request in its window is neither kept up nor overloaded (it raises);
+a figure that is not finite is ``None`` in the report (JSON has no infinity).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from examples.agent_loop import AgentConfig
+from optimizer.model.alp import ModelAlloc, Overlap, Pipeline, Prediction
+from optimizer.model.curves import ProfileBook
+
+LABEL = "emulated"
+CAPACITY_TARGET, LATENCY_TARGET, LATENCY_LOAD_LIMIT = 0.10, 0.15, 0.8
 
 SHORTFALL_LIMIT = 0.05  # completions may fall this short of arrivals in the window
 GROWTH_LIMIT = 1.2  # the later half's mean latency over the earlier half's
@@ -171,3 +182,106 @@ def relative_error(predicted: float, measured: float) -> float:
     if not (math.isfinite(predicted) and math.isfinite(measured) and measured > 0):
         return math.nan
     return (predicted - measured) / measured
+
+
+# ---- what the ALP is given, and the report ---------------------------------------------------
+
+
+def expected_calls(cfg: AgentConfig) -> dict[str, float]:
+    """Calls per request the agent makes on average (its loop, in closed form): the planner
+    once per step, the worker ``fan_out`` times on each non-final step that fans out."""
+    steps, alive = 0.0, 1.0  # expected steps; probability the loop reaches step k
+    for k in range(1, cfg.max_steps + 1):
+        steps += alive
+        if k >= cfg.min_steps:
+            alive *= 0.0 if k == cfg.max_steps else 1.0 - cfg.p_stop
+    return {cfg.planner: steps, cfg.worker: (steps - 1.0) * cfg.p_fan_out * cfg.fan_out}
+
+
+def pipeline_from_stats(workflow: str, doc: dict[str, Any], speedup: float) -> Pipeline:
+    """The ALP's pipeline from ``scepsy stats --json``'s entry for ``workflow``, as
+    ``Pipeline.from_stats`` builds it from the same figures, with the tool time (recorded in
+    wall seconds) in model seconds: ``n``, ``p`` and the overlap couplings are ratios."""
+    models = doc["models"]
+    busy = {m: float(v["busy_mean"] or math.nan) for m, v in models.items()}
+    pairs = [
+        Overlap.traced(a, b, float(o["together_s"]), busy.get(a, math.nan), busy.get(b, math.nan))
+        for o in doc.get("overlaps", [])
+        for a, b in [o["models"]]
+    ]
+    return Pipeline.from_figures(
+        workflow,
+        {m: (float(v["n"]), float(v["p_agg"] or math.nan)) for m, v in models.items()},
+        overlap=float(doc["overlap_factor"] or math.nan),
+        tool_time=float(doc["tool_time_mean"] or 0.0) * speedup,
+        overlaps=[o for o in pairs if o is not None],
+    )
+
+
+def num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def prediction_doc(p: Prediction) -> dict[str, Any]:
+    return {
+        "rate": p.rate,
+        "latency_s": num(p.latency),
+        "throughput": num(p.throughput),
+        "bottleneck": p.bottleneck,
+        "stages": {
+            s.model: {
+                "call_rate": s.call_rate,
+                "call_latency_s": num(s.call_latency),
+                "contribution_s": num(s.contribution),
+                "capacity": num(s.capacity),
+            }
+            for s in p.stages
+        },
+    }
+
+
+def curve_doc(book: ProfileBook, model: str, key: ModelAlloc) -> dict[str, Any]:
+    """The curve the ALP reads for ``model`` at ``key``: T_m and its (rate, mean) points."""
+    prof = book.lookup(model, key.tp, key.share)
+    pts = zip(prof.rates, prof.lat["mean"], strict=True)
+    return {"saturation": prof.saturation, "points": [[float(r), float(x)] for r, x in pts]}
+
+
+def knee_doc(
+    bracket: Bracket,
+    probes: Sequence[tuple[dict[str, Any], RunJudgement]],
+    capacity: float,
+    precision: float,
+) -> dict[str, Any]:
+    """The knee search's outcome against the predicted ``capacity``; each probe is its run's
+    record and its judgement."""
+    overloaded = [j.served_rate for _, j in probes if not j.kept_up]
+    return {
+        "kept_up": bracket.kept_up,
+        "overloaded": bracket.overloaded,
+        "knee": bracket.knee,
+        "closed": bracket.closed(precision),
+        "capacity_error": num(relative_error(capacity, bracket.knee or math.nan)),
+        # a backlogged run completes requests at the capacity: a second reading of it
+        "served_from_backlog": max(overloaded) if overloaded else None,
+        "probes": [run | asdict(j) | {"kept_up": j.kept_up} for run, j in probes],
+    }
+
+
+def summary(doc: dict[str, Any], speedup: float) -> dict[str, Any]:
+    """The report's verdict: capacity and mean-latency errors against their targets."""
+    cap_err = doc["knee"]["capacity_error"]
+    lat = {f: v["error"] for f, v in doc["latency"].items()}
+    judged = [e for f, e in lat.items() if float(f) <= LATENCY_LOAD_LIMIT]
+    return {
+        "label": LABEL,
+        "predicted_capacity": doc["predicted"]["capacity"],
+        "emulated_knee": doc["knee"]["knee"],
+        "knee_bracket": [doc["knee"]["kept_up"], doc["knee"]["overloaded"]],
+        "capacity_error": cap_err,
+        "capacity_ok": cap_err is not None and abs(cap_err) <= CAPACITY_TARGET,
+        "latency_error": lat,
+        "latency_ok": bool(judged)
+        and all(e is not None and abs(e) <= LATENCY_TARGET for e in judged),
+        "speedup": speedup,
+    }
