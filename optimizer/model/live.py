@@ -16,9 +16,12 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
 - at least ``MIN_CALLS`` finished calls over a window at least ``min_window_s`` long;
 - the point's rates are those the replica served, so the curve it corrects is read at the load
   the replica actually saw; nothing here extrapolates;
-- an overloaded window — calls started but not finished in it more than ``MAX_BACKLOG`` of
-  those started, or the mean latency of calls started in its second half above ``MAX_RISE`` x
-  that of its first half (a queue building up reads as rising latency) — makes a *saturated*
+- a window is not trusted when calls started but not finished in it exceed ``MAX_BACKLOG`` of
+  those started, or the mean latency of calls started in its second half exceeds
+  ``MAX_RISE`` x that of its first half (a queue building up reads as rising latency);
+- an *overloaded* window — latency rising and calls in flight grown by more than
+  ``MAX_BACKLOG`` of those started beyond the replica's steady occupancy (Little's law:
+  throughput x latency, which a window that began idle fills up to) — makes a *saturated*
   point: what the replica served while it could not keep up is what it can serve, so the
   point says so as a replayed overloaded point does, with an offered rate above its throughput
   (the calls started per second, at least ``SATURATED_OFFER`` x the throughput); its latency
@@ -95,11 +98,17 @@ def verdict(
         return "no latency measured"
     if not math.isfinite(load.lat_mean_early):  # started before, but serving only since
         return "no call finished from the window's first half"
-    if load.started - load.finished > MAX_BACKLOG * load.started:
-        return f"{OVERLOADED}: {load.started} calls started, {load.finished} finished"
+    growth = load.started - load.finished  # calls in flight at the end, less at the start
     early, late = load.lat_mean_early, load.lat_mean_late
-    if math.isfinite(early) and math.isfinite(late) and late > MAX_RISE * early:
-        return f"{OVERLOADED}: latency rose from {early:.3f} s to {late:.3f} s in the window"
+    rising = math.isfinite(early) and math.isfinite(late) and late > early
+    # A window that began with the replica idle fills it up to its steady occupancy
+    # (Little: throughput x latency); a queue is what grows beyond that, latency rising.
+    if rising and growth - load.throughput * load.lat_mean > MAX_BACKLOG * load.started:
+        return f"{OVERLOADED}: {load.started} calls started, {load.finished} finished"
+    if growth > MAX_BACKLOG * load.started:
+        return f"behind: {load.started} calls started, {load.finished} finished"
+    if rising and late > MAX_RISE * early:
+        return f"latency rose from {early:.3f} s to {late:.3f} s in the window"
     return None
 
 

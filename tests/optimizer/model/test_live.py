@@ -82,16 +82,28 @@ def test_too_few_calls_a_short_window_or_a_late_start_make_no_point(
     assert reason is not None and why in reason
 
 
-def test_an_overloaded_window_makes_a_saturated_point() -> None:
-    backlog = _load(started=160, finished=100)
-    (p,) = _points(backlog)
+def test_a_queue_growing_with_latency_makes_a_saturated_point() -> None:
+    queue = _load(started=160, finished=100, lat_mean_early=0.5, lat_mean_late=0.9)
+    (p,) = _points(queue)
     assert p.throughput == pytest.approx(100 / 40) and p.offered_rate == pytest.approx(160 / 40)
-    rising = _load(lat_mean_early=0.4, lat_mean_late=0.9)  # started == finished: still marked
-    (q,) = _points(rising)
-    assert q.offered_rate == pytest.approx(live.SATURATED_OFFER * q.throughput)
-    for load in (backlog, rising):
-        reason = verdict(load, _Replica(), T0 - 100, 20.0)
-        assert reason is not None and reason.startswith(live.OVERLOADED)
+    reason = verdict(queue, _Replica(), T0 - 100, 20.0)
+    assert reason is not None and reason.startswith(live.OVERLOADED)
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        _load(lat_mean_early=0.4, lat_mean_late=0.9),  # latency rose, nothing piled up
+        _load(started=160, finished=100, lat_mean_early=0.6, lat_mean_late=0.5),  # not rising
+        # a window that began with the replica idle: it filled up to its steady occupancy
+        # (2.5 calls/s x 6 s = 15 calls in flight), no queue beyond it
+        _load(started=115, finished=100, lat_mean=6.0, lat_mean_early=5.0, lat_mean_late=6.5),
+    ],
+)
+def test_a_window_behind_or_slowing_without_a_queue_teaches_nothing(load: ReplicaLoad) -> None:
+    assert _points(load) == []
+    reason = verdict(load, _Replica(), T0 - 100, 20.0)
+    assert reason is not None and not reason.startswith(live.OVERLOADED)
 
 
 def test_a_replica_not_ready_replaced_or_unknown_makes_no_point() -> None:
