@@ -103,16 +103,19 @@ class Plan:
     trace_rate: float = 1.0  # light: about a fifth of what one A6000 planner sustains
     trace_s: float = 300.0  # ~1,050 planner and ~1,150 worker calls
     loads: tuple[float, ...] = (0.2, 0.5, 0.8)
-    latency_s: float = 200.0  # of arrivals per latency run
+    latency_s: float = 180.0  # of arrivals per latency run
     latency_warm: float = 0.25  # of those, before the mean is taken
-    knee_s: float = 280.0  # of arrivals per knee probe
+    knee_s: float = 240.0  # of arrivals per knee probe
     knee_step: float = 1.1
     knee_precision: float = 0.05
-    knee_probes: int = 5
+    knee_probes: int = 4
     profile_quick: bool = False  # scepsy profile --quick
     profile_timeout_s: float = 420.0  # wall, per model
 
 
+# ~15 minutes: the profiles take ~7 of them (the planner's default sweep ~4.4 at the speed-up
+# its --cpu-budget allows). bench/results/agent_path.json ran 200-s latency runs and 280-s
+# probes (its plan is in it): 939 s, three probes.
 FULL = Plan()
 # the profiles take ~3 of its ~6 minutes; two knee probes bracket the knee only when the
 # prediction is within one step of it
