@@ -115,7 +115,7 @@ class Plan:
 
 # ~15 minutes: the profiles take ~7 of them (the planner's default sweep ~4.4 at the speed-up
 # its --cpu-budget allows). bench/results/agent_path.json ran 200-s latency runs and 280-s
-# probes (its plan is in it): 939 s, three probes.
+# probes: 939 s, three probes; these sizes: 863 s (bench/results/agent_path.json).
 FULL = Plan()
 # the profiles take ~3 of its ~6 minutes; two knee probes bracket the knee only when the
 # prediction is within one step of it
