@@ -114,8 +114,8 @@ class Plan:
 
 
 # ~15 minutes: the profiles take ~7 of them (the planner's default sweep ~4.4 at the speed-up
-# its --cpu-budget allows). bench/results/agent_path.json ran 200-s latency runs and 280-s
-# probes: 939 s, three probes; these sizes: 863 s (bench/results/agent_path.json).
+# its --cpu-budget allows). These sizes ran 863 s (bench/results/agent_path.json); 200-s
+# latency runs and 280-s probes had run 939 s.
 FULL = Plan()
 # the profiles take ~3 of its ~6 minutes; two knee probes bracket the knee only when the
 # prediction is within one step of it
