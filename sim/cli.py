@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 
@@ -65,6 +66,19 @@ def parser() -> argparse.ArgumentParser:
         default=0.1,
         help="chance a step ends the sequence instead of its stop string (assumption, default 0.1)",
     )
+    p.add_argument(
+        "--gpu-board",
+        type=Path,
+        default=None,
+        help="folder of the GPU boards engines on the same GPUs share, to contend for the "
+        "GPU as simulated replicas do (default: none, the engine runs alone)",
+    )
+    p.add_argument(
+        "--gpu-ids",
+        type=_gpu_ids,
+        default=(0,),
+        help="the GPUs (indices on this node) the engine runs on, comma-separated (0)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="batch size bound (256)")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="tokens per step bound (8192)"
@@ -87,7 +101,21 @@ def config_from(args: argparse.Namespace) -> EmulatorConfig:
         lengths=LengthModel(args.step_median_tokens, args.step_sigma, args.eos_probability),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_board=args.gpu_board,
+        gpu_ids=args.gpu_ids,
     )
+
+
+def _gpu_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated list of GPU indices, got {text!r}"
+        ) from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"GPU indices must be >= 0, got {text!r}")
+    return ids
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -7,10 +7,14 @@ Invariants and assumptions:
 - placement is first-fit: whole-GPU replicas get GPUs of their own; fractional replicas (share
   < 1) are packed, largest share first, onto groups of ``tp`` GPUs of their type whose shares
   sum to at most 1; an allocation that asks for more than 100% of a GPU cannot happen;
-- co-located replicas contend for HBM bandwidth only while both have work: at the start of a
-  step a replica gets the fraction ``share / (sum of the shares of co-located replicas with
-  work)`` of the bandwidth (# assumed: bandwidth divides in proportion to SM shares); SMs are
-  partitioned by MPS, so compute does not contend;
+- a tensor-parallel group of ``tp`` GPUs starts at a multiple of ``tp`` (as NVLink-aware
+  placement puts it in one domain); its all-reduce runs over NVLink when its GPUs lie in one
+  domain of the GPU type (``GpuSpec.nvlink_domain``), else PCIe, unless the spec says which
+  (``ReplicaSpec.nvlink``: an evaluation placing replicas as the optimizer did);
+- co-located replicas contend for SMs and HBM bandwidth while they have work: at the start of
+  a step a replica's compute and memory times are stretched by the busy co-located clients'
+  summed solo rates (:func:`sim.perf.contention`), so shares that sum to one GPU never serve
+  more than one whole GPU at saturation, and an idle neighbour costs nothing;
 - routing picks, per call, among the replicas of the call's model: power of two choices on
   outstanding calls, the least outstanding, affinity by workflow request with a fall-back to
   the least loaded when the preferred replica is far busier, or ``prefix_affinity``: the
@@ -37,7 +41,7 @@ from numpy.typing import NDArray
 
 from shared.settings import RoutingSettings
 from sim.engine import EngineCore
-from sim.perf import PerfModel, perf_model
+from sim.perf import Contended, perf_model
 from sim.workflows import Prompt
 
 __all__ = [
@@ -62,6 +66,7 @@ class ReplicaSpec:
     tp: int = 1
     share: float = 1.0
     count: int = 1
+    nvlink: bool | None = None  # the group's GPUs in one NVLink domain (None: as placed here)
 
     def __post_init__(self) -> None:
         perf_model(self.model, self.gpu, self.tp, self.share)  # validates names and values
@@ -102,6 +107,7 @@ def place(allocation: Allocation) -> list[tuple[ReplicaSpec, tuple[int, ...]]]:
                 placed[i] = tuple(idx)
                 break
         else:
+            next_gpu = -(-next_gpu // spec.tp) * spec.tp  # aligned: one NVLink domain if it can
             idx = list(range(next_gpu, next_gpu + spec.tp))
             next_gpu += spec.tp
             groups.append((spec.gpu, spec.tp, idx, [spec.share]))
@@ -131,20 +137,14 @@ class Replica:
         # a fast-forwarded run of decode steps in flight: (start time, cumulative durations)
         self.macro: tuple[float, NDArray[np.float64]] | None = None
         self.version = 0  # bumps when the replica's pending step-end event is superseded
-        self._base = engine.perf
-        self._by_bandwidth: dict[float, PerfModel] = {1.0: engine.perf}
+        self._contended = Contended(engine.perf)
 
     def apply_contention(self) -> None:
-        """Set the engine's bandwidth share for the step about to start."""
-        if not self.peers:
-            return
-        total = self.spec.share + sum(p.spec.share for p in self.peers if p.engine.has_work())
-        share = min(1.0, round(self.spec.share / total, 2))
-        perf = self._by_bandwidth.get(share)
-        if perf is None:
-            perf = dataclasses.replace(self._base, bandwidth_share=share)
-            self._by_bandwidth[share] = perf
-        self.engine.perf = perf
+        """Set the engine's contention for the step about to start: by the co-located
+        replicas that have work now."""
+        if self.peers:
+            busy = tuple(sorted(p.spec.share for p in self.peers if p.engine.has_work()))
+            self.engine.perf = self._contended.under(busy)
 
 
 def build_replicas(
@@ -159,8 +159,11 @@ def build_replicas(
     for spec, gpus in place(allocation):
         n = counters.get(spec.model, 0)
         counters[spec.model] = n + 1
+        perf = perf_model(spec.model, spec.gpu, spec.tp, spec.share)
+        domain = perf.gpu.nvlink_domain
+        nvlink = len({g // domain for g in gpus}) == 1 if spec.nvlink is None else spec.nvlink
         engine = EngineCore(
-            perf_model(spec.model, spec.gpu, spec.tp, spec.share),
+            dataclasses.replace(perf, nvlink=nvlink),
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,

@@ -7,7 +7,9 @@ header on every response, and a ``cleanup_ctx`` that runs the real-time driver o
 
 Invariants: one engine core, one driver task and one metrics registry per app (several apps
 can share a process and an event loop); every response says it is emulated; a client error
-never shows a traceback; ``/health`` answers 503 once the driver task has died.
+never shows a traceback; ``/health`` answers 503 once the driver task has died; with a GPU
+board (``EmulatorConfig.gpu_board``) engines on the same GPUs slow each other as simulated
+replicas do (:mod:`sim.colocation`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from sim.colocation import Neighbours, attach
 from sim.completions import chat_completions, completions
 from sim.engine import EngineCore
 from sim.engine_driver import EngineDriver
@@ -50,6 +53,9 @@ def build_engine(config: EmulatorConfig) -> EmulatedEngine:
         perf, max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs
     )
     driver = EngineDriver(core, speedup=config.speedup)
+    if config.gpu_board is not None:
+        neighbours = Neighbours(config.gpu_board, config.gpu_ids, config.share)
+        driver.before_step, driver.on_idle = attach(core, neighbours)
     metrics = EngineMetrics(config.name, driver)
     driver.on_finished = metrics.observe
     return EmulatedEngine(config, MODELS[config.model], driver, metrics)

@@ -109,6 +109,10 @@ class EngineDriver:
     max_catch_up_s: float = 0.05
     lag_window_s: float = 10.0
     on_finished: Callable[[Ticket], None] | None = None
+    # co-located engines (sim.colocation): called before each step of a busy period, and
+    # once when it ends
+    before_step: Callable[[], None] | None = None
+    on_idle: Callable[[], None] | None = None
     clock: Callable[[], float] = time.monotonic
     tickets: dict[str, Ticket] = field(default_factory=dict)
     steps_total: int = 0
@@ -191,8 +195,17 @@ class EngineDriver:
             await self._busy_period()
 
     async def _busy_period(self) -> None:
+        try:
+            await self._steps()
+        finally:
+            if self.on_idle is not None:
+                self.on_idle()
+
+    async def _steps(self) -> None:
         target = prev_end = self.clock()
         while self.core.has_work():
+            if self.before_step is not None:
+                self.before_step()
             outcome = self.core.step()
             if outcome.duration <= 0 and not (outcome.emitted or outcome.finished):
                 await asyncio.sleep(0.001)  # nothing schedulable yet: do not spin

@@ -14,10 +14,15 @@ The step is the sum of (all per tensor-parallel rank):
   compute-bound and decode grows past batch ~8. The three terms add rather than overlap (a
   roofline ``max``): the published batch-128 TP speed-ups need decode that slow;
 - all-reduce (``tp > 1``): two per layer, each a fixed latency plus the activations over the
-  interconnect.
+  interconnect: NVLink when the replica's GPUs lie in one NVLink domain (``nvlink``, from the
+  placement; by degree where no placement is known), else PCIe; NCCL's kernels run on the
+  replica's SMs, so a share slows it like memory-bound work (# assumed).
 A GPU share (MPS) slows the compute part like calibration.md's prefill rows and the memory part
-like its batch-1 decode rows; ``bandwidth_share`` (HBM bandwidth left by co-located replicas)
-slows the memory part further, taking the worse of the two factors rather than their product.
+like its batch-1 decode rows. Co-located clients contend (:func:`contention`): alone, a client
+of share ``s`` gets ``1 / slowdown(s)`` of the GPU's compute and of its bandwidth (more than
+``s`` at small shares: the table's idle SMs); while several have work, each gets its solo rate
+divided by the sum of the busy clients' solo rates when that sum exceeds 1, so their combined
+service never exceeds one whole GPU's (``compute_contention``, ``memory_contention``).
 
 Invariants: pure functions of frozen dataclasses; every constant cites
 ``shared/reference/calibration.md`` ("cal:") or is marked ``# assumed``; ``step_time`` is
@@ -28,8 +33,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal
@@ -40,9 +45,11 @@ from numpy.typing import NDArray
 __all__ = [
     "GPUS",
     "MODELS",
+    "Contended",
     "GpuSpec",
     "ModelSpec",
     "PerfModel",
+    "contention",
     "perf_model",
 ]
 
@@ -166,39 +173,76 @@ def memory_slowdown(share: float) -> float:
     return _MEMORY_SLOWDOWN[0] * math.sqrt(_SHARE_POINTS[0] / share)
 
 
+def contention(busy_shares: Sequence[float]) -> tuple[float, float]:
+    """(compute, memory) contention of clients co-located on one GPU while those of
+    ``busy_shares`` (the client itself included) have work: the sum of their solo rates,
+    at least 1 (see the module docstring)."""
+    compute = sum(1.0 / compute_slowdown(s) for s in busy_shares)
+    memory = sum(1.0 / memory_slowdown(s) for s in busy_shares)
+    return max(1.0, compute), max(1.0, memory)
+
+
+class Contended:
+    """A replica's performance model under its busy co-located neighbours (by their shares),
+    built once per set of neighbours: the simulator's replicas and the emulator's engines ask
+    before every step."""
+
+    def __init__(self, base: PerfModel) -> None:
+        self.base = base
+        self._by_busy: dict[tuple[float, ...], PerfModel] = {(): base}
+
+    def under(self, busy: tuple[float, ...]) -> PerfModel:
+        """``base`` while co-located replicas of shares ``busy`` (sorted) have work."""
+        perf = self._by_busy.get(busy)
+        if perf is None:
+            compute, memory = contention((self.base.share, *busy))
+            perf = replace(self.base, compute_contention=compute, memory_contention=memory)
+            self._by_busy[busy] = perf
+        return perf
+
+
 @dataclass(frozen=True)
 class PerfModel:
     model: ModelSpec
     gpu: GpuSpec
     tp: int = 1
     share: float = 1.0
-    bandwidth_share: float = 1.0  # fraction of HBM bandwidth left by co-located replicas
+    # the busy co-located clients' summed solo rates (>= 1; 1: alone or within one GPU)
+    compute_contention: float = 1.0
+    memory_contention: float = 1.0
+    nvlink: bool | None = None  # GPUs in one NVLink domain (None: as the degree allows)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
             raise ValueError(f"tp must be a power of two >= 1, got {self.tp}")
         if not 0.0 < self.share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {self.share}")
-        if not 0.0 < self.bandwidth_share <= 1.0:
-            raise ValueError(f"bandwidth_share must be in (0, 1], got {self.bandwidth_share}")
+        if not (self.compute_contention >= 1.0 and self.memory_contention >= 1.0):
+            raise ValueError("contention factors must be >= 1")
 
     # Share-dependent factors depend only on the fields: computed once per instance.
     @cached_property
     def _memory_factor(self) -> float:
-        return max(memory_slowdown(self.share), 1.0 / self.bandwidth_share)
+        return memory_slowdown(self.share) * self.memory_contention
 
     @cached_property
     def _compute_factor(self) -> float:
-        return compute_slowdown(self.share)
+        return compute_slowdown(self.share) * self.compute_contention
+
+    @cached_property
+    def link_bytes_per_s(self) -> float:
+        """The all-reduce's interconnect: NVLink within a domain, else PCIe."""
+        gpu = self.gpu
+        nvlink = self.tp <= gpu.nvlink_domain if self.nvlink is None else self.nvlink
+        return gpu.link_bytes_per_s if nvlink else gpu.pcie_bytes_per_s
 
     def _allreduce_time(self, tokens: int) -> float:
         if self.tp == 1:
             return 0.0
-        gpu = self.gpu
-        link = gpu.link_bytes_per_s if self.tp <= gpu.nvlink_domain else gpu.pcie_bytes_per_s
         ring = 2.0 * (self.tp - 1) / self.tp  # bytes each rank moves, relative to the message
         message = tokens * self.model.hidden * ACTIVATION_BYTES
-        return 2 * self.model.layers * (ALLREDUCE_LATENCY_S + ring * message / link)
+        per_layer = ALLREDUCE_LATENCY_S + ring * message / self.link_bytes_per_s
+        return 2 * self.model.layers * per_layer * memory_slowdown(self.share)
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         """Seconds one engine step takes. ``context_tokens``: cached tokens the decoding

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -46,6 +47,9 @@ class EmulatorConfig:
     lengths: LengthModel = field(default_factory=LengthModel)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # engines on the same GPUs contend through boards in this folder (None: it runs alone)
+    gpu_board: Path | None = None
+    gpu_ids: tuple[int, ...] = (0,)
 
     @property
     def name(self) -> str:

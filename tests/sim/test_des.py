@@ -162,10 +162,12 @@ def test_placement_packs_shares_and_co_located_replicas_contend() -> None:
     a, b, *_ = build_replicas(alloc)
     assert b in a.peers
     a.apply_contention()
-    assert a.engine.perf.bandwidth_share == 1.0
+    assert (a.engine.perf.compute_contention, a.engine.perf.memory_contention) == (1.0, 1.0)
     b.engine.submit(EngineRequest("x", Prompt(9, 64), 4))
     a.apply_contention()
-    assert a.engine.perf.bandwidth_share == 0.5
+    # two busy halves: their solo rates (1/1.665 compute, 1/1.09 memory each) sum past 1
+    assert a.engine.perf.compute_contention == pytest.approx(2 / 1.665)
+    assert a.engine.perf.memory_contention == pytest.approx(2 / 1.09)
     assert (
         a.engine.perf.step_time(0, 1, 64)
         > 1.5 * perf_model("llama-3.2-1b", "a6000", share=0.5).step_time(0, 1, 64) - 0.004
@@ -366,3 +368,26 @@ def test_open_calls_make_queued_requests_visible(tmp_path: Path) -> None:
     done = sum(1 for r in sim.runs if r.end >= 0)
     assert beam.arrivals == len(sim.runs) > seen_without.arrivals
     assert beam.requests == done < len(sim.runs)
+
+
+def _saturated_rerank_calls_per_s(share: float, count: int) -> float:
+    """Rerank calls/s the reranker's replicas complete under a RAG load far past their
+    capacity, every other model over-provisioned (simulated)."""
+    alloc = Allocation.of(
+        ("e5-base-v2", "a6000", 1, 1.0, 8),
+        ("llama-3-8b", "a6000", 1, 1.0, 40),
+        ("bge-reranker-base", "a6000", 1, share, count),
+    )
+    res = simulate(
+        alloc, [WorkloadSpec("rag", 200.0)], duration_s=30.0, seed=3, record_calls=True, drain_s=0
+    )
+    done = [c for c in res.calls if c.replica.startswith("bge-reranker-base/") and c.t_end >= 10]
+    return len([c for c in done if c.t_end < 30.0]) / 20.0
+
+
+@pytest.mark.timeout(120)
+def test_two_half_shares_never_serve_more_than_one_whole_gpu_at_saturation() -> None:
+    whole = _saturated_rerank_calls_per_s(1.0, 1)
+    halves = _saturated_rerank_calls_per_s(0.5, 2)
+    # two schedulers batch twice the tokens per step at most: a sliver of launch overhead
+    assert 0.8 * whole < halves <= 1.03 * whole

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from sim.perf import GPUS, MODELS, PerfModel, perf_model
+from sim.perf import GPUS, MODELS, PerfModel, contention, perf_model
 
 
 def ratio(a: float, b: float) -> float:
@@ -102,14 +104,58 @@ def test_small_shares_extrapolate_past_the_table() -> None:
     assert 1.41 < share_slowdown(0.1, 0, 1, 128) < 3.0
 
 
-def test_bandwidth_contention_slows_decode_not_prefill() -> None:
-    p = perf_model("llama-3-8b", "a6000")
-    q = dataclasses.replace(p, bandwidth_share=0.5)
-    assert ratio(q.step_time(0, 1, 512), p.step_time(0, 1, 512)) == pytest.approx(1.9, abs=0.1)
-    assert ratio(q.step_time(8192, 0, 0), p.step_time(8192, 0, 0)) < 1.05
-    # on half the SMs, contention to half the bandwidth dominates the MPS decode factor (1.09)
-    r = dataclasses.replace(q, share=0.5)
-    assert ratio(r.step_time(0, 1, 512), q.step_time(0, 1, 512)) == pytest.approx(1.0, abs=0.01)
+def test_a_busy_neighbour_slows_decode_and_prefill_an_idle_one_nothing() -> None:
+    half = perf_model("llama-3-8b", "a6000", share=0.5)
+    compute, memory = contention((0.5, 0.5))
+    both = dataclasses.replace(half, compute_contention=compute, memory_contention=memory)
+    # two halves busy: each gets half the GPU's bandwidth and half its SMs' work
+    assert ratio(both.step_time(0, 1, 512), half.step_time(0, 1, 512)) == pytest.approx(
+        2.0 / 1.09, rel=0.05
+    )
+    assert ratio(both.step_time(8192, 0, 0), half.step_time(8192, 0, 0)) == pytest.approx(
+        2.0 / 1.665, rel=0.05
+    )
+    assert contention((0.5,)) == (1.0, 1.0)  # alone on its half: the MPS table's factors only
+    # three quarter-shares busy: their solo compute sums to under one GPU, so only bandwidth
+    # contends (the table's idle SMs at small shares)
+    compute, memory = contention((0.25, 0.25, 0.25))
+    assert compute == 1.0 and memory > 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    k=st.integers(2, 6),
+    prefill=st.integers(0, 2048),
+    decode=st.integers(0, 64),
+    context=st.integers(0, 50_000),
+    model=st.sampled_from(["llama-3-8b", "llama-3.2-1b", "e5-base-v2"]),
+)
+def test_shares_that_fill_one_gpu_never_serve_more_than_the_whole_gpu(
+    k: int, prefill: int, decode: int, context: int, model: str
+) -> None:
+    """k busy clients of share 1/k, each with a batch, take at least as long per step as the
+    whole GPU takes for all k batches at once: together they never serve more."""
+    assume(prefill + decode > 0)
+    whole = perf_model(model, "a6000")
+    compute, memory = contention([1.0 / k] * k)
+    part = dataclasses.replace(
+        perf_model(model, "a6000", share=1.0 / k),
+        compute_contention=compute,
+        memory_contention=memory,
+    )
+    t_part = part.step_time(prefill, decode, context)
+    assert t_part >= whole.step_time(k * prefill, k * decode, k * context) * (1 - 1e-9)
+
+
+def test_tensor_parallel_link_follows_the_placement() -> None:
+    nvlink = perf_model("llama-3-8b", "a6000", tp=2)
+    assert nvlink.link_bytes_per_s == nvlink.gpu.link_bytes_per_s  # a pair fits a domain
+    pcie = dataclasses.replace(nvlink, nvlink=False)  # placed across two domains
+    assert pcie.link_bytes_per_s == nvlink.gpu.pcie_bytes_per_s
+    assert pcie.step_time(4096, 0, 0) > nvlink.step_time(4096, 0, 0)
+    # all-reduce on a share runs on fewer SMs: slower than on whole GPUs
+    shared = dataclasses.replace(nvlink, share=0.25)
+    assert shared._allreduce_time(4096) > nvlink._allreduce_time(4096)
 
 
 def test_kv_capacity_counts_share_tp_weights_and_reserve() -> None:

@@ -136,6 +136,9 @@ def launches(
             serving.engine,
             local.host,
         )
+        if serving.engine == "emulator":  # emulated engines on one GPU contend for it
+            board = state / "gpus" / group.node
+            argv = (*argv, "--gpu-board", str(board), "--gpu-ids", ",".join(map(str, spec.gpus)))
         visible = [group.gpus.index(g) for g in spec.gpus] if mps else list(spec.gpus)
         env = [*order, ("CUDA_VISIBLE_DEVICES", ",".join(map(str, visible)))]
         if spec.share < 1.0 - 1e-9:

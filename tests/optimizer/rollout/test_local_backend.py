@@ -208,6 +208,11 @@ def test_launches_of_vllm_engines_sharing_a_gpu() -> None:
     env = dict(engine.env)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
     assert engine.argv[engine.argv.index("--tp") + 1] == "2"
+    # an emulated engine contends with the others on its GPUs through their boards
+    board = engine.argv[engine.argv.index("--gpu-board") + 1]
+    assert board == str(Path("/s") / "gpus" / emulated.node)
+    assert engine.argv[engine.argv.index("--gpu-ids") + 1] == "2,3"
+    assert "--gpu-board" not in first.argv  # a real engine contends on its own
 
 
 def test_local_settings_errors_name_their_key() -> None:
