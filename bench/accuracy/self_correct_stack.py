@@ -41,10 +41,7 @@ import orjson
 import yaml
 
 from optimizer.daemon.service import Daemon, TickReport
-from optimizer.demo.run import LOAD_DRIVER, DemoConfig, Stack, settings_doc
-from optimizer.placement import ReplicaDemand, place
-from optimizer.plan import target as plan_target
-from optimizer.rollout.backend import converge
+from optimizer.demo.run import LOAD_DRIVER, DemoConfig, Stack, bootstrap, settings_doc
 from optimizer.rollout.local import engines
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.store.profiles import save_points
@@ -188,7 +185,7 @@ class Emulated:
         await _wait_http(f"http://127.0.0.1:{port}/health", 60)
         cluster = cluster_from_settings(settings.cluster)
         self.backend = stack.backend = LocalBackend.from_settings(settings, cluster)
-        await _bootstrap(settings, self.backend)
+        await bootstrap(settings, self.backend)
         save_points(settings.store.path, list(self.profiles))
         url = f"http://127.0.0.1:{port}/v1"
         for k, (wf, rate) in enumerate(
@@ -235,22 +232,6 @@ class Emulated:
         await self.stop_daemon()
         if self._stack is not None:
             await self._stack.close()
-
-
-async def _bootstrap(settings: Settings, backend: LocalBackend) -> None:
-    """The settings' allocation, placed on the GPUs the search may use, rolled out."""
-    from optimizer.control import proposal
-
-    cluster = cluster_from_settings(settings.cluster)
-    usable = proposal.cluster_without(cluster, settings.optimizer.reserve_gpus)
-    floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
-    demands = [
-        ReplicaDemand(e.workflow, e.model, e.tp, e.share, None, floors[e.model])
-        for e in settings.rollout.allocation
-        for _ in range(e.replicas)
-    ]
-    target = plan_target.target_from_placement(place(usable, demands), settings.rollout.revisions())
-    await converge(backend, target, cluster=cluster)
 
 
 async def _wait_http(url: str, timeout_s: float) -> None:

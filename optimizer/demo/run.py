@@ -307,7 +307,8 @@ async def _wait_proc(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
         raise RuntimeError(f"{proc.args!r} did not finish within {timeout_s:.0f}s") from None
 
 
-async def _bootstrap(settings: Settings, backend: LocalBackend) -> None:
+async def bootstrap(settings: Settings, backend: LocalBackend) -> None:
+    """The settings' allocation, placed on the GPUs the search may use, rolled out."""
     cluster = cluster_from_settings(settings.cluster)
     usable = proposal.cluster_without(cluster, settings.optimizer.reserve_gpus)
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
@@ -423,7 +424,7 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
             stack.backend = LocalBackend.from_settings(
                 settings, cluster_from_settings(settings.cluster)
             )
-            await _bootstrap(settings, stack.backend)
+            await bootstrap(settings, stack.backend)
             timeline["bootstrap_ready"] = time.monotonic() - t0
             if await _wait_proc(profiles, 240) != 0:
                 raise RuntimeError(f"profiling failed: see {run / 'profiles.log'}")
