@@ -253,8 +253,9 @@ def _plots(doc: Mapping[str, Any], passes: Sequence[Pass], out: Path) -> list[st
     ax1.set_ylabel("arrival rate (req/s)")
     ax2.set_ylabel("mean latency (s)")
     ax2.set_xlabel("seconds since the demo started (green: rollouts, red: RAG x3)")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:  # a run with no traffic has nothing to label
+            ax.legend(fontsize=7)
     fig.suptitle("EMULATED: traffic, rollouts, predicted vs observed latency")
     fig.tight_layout()
     fig.savefig(out / "timeline.png", dpi=100)
