@@ -19,9 +19,12 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
 - a window is not trusted when calls started but not finished in it exceed ``MAX_BACKLOG`` of
   those started, or the mean latency of calls started in its second half exceeds
   ``MAX_RISE`` x that of its first half (a queue building up reads as rising latency);
-- an *overloaded* window — latency rising and calls in flight grown by more than
-  ``MAX_BACKLOG`` of those started beyond the replica's steady occupancy (Little's law:
-  throughput x latency, which a window that began idle fills up to) — makes a *saturated*
+- an *overloaded* window — calls in flight grown by more than ``MAX_BACKLOG`` of those started
+  beyond the replica's steady occupancy (Little's law: throughput x latency, which a window
+  that began idle fills up to), and a queue across the window, not a slowdown in its last
+  seconds: latency rising past ``MAX_RISE`` x, or more than ``MAX_BACKLOG`` of the first
+  half's calls still open at its end (a queue that was already long when the window began) —
+  makes a *saturated*
   point: what the replica served while it could not keep up is what it can serve, so the
   point says so as a replayed overloaded point does, with an offered rate above its throughput
   (the calls started per second, at least ``SATURATED_OFFER`` x the throughput); its latency
@@ -103,7 +106,12 @@ def verdict(
     rising = math.isfinite(early) and math.isfinite(late) and late > early
     # A window that began with the replica idle fills it up to its steady occupancy
     # (Little: throughput x latency); a queue is what grows beyond that, latency rising.
-    if rising and growth - load.throughput * load.lat_mean > MAX_BACKLOG * load.started:
+    # A slowdown in the window's last seconds (a noisy neighbour, a pause) leaves calls in
+    # flight too, but none from the first half and no clear rise: it is no capacity figure.
+    queued = (rising and late > MAX_RISE * early) or load.open_early > MAX_BACKLOG * (
+        load.started / 2
+    )
+    if queued and growth - load.throughput * load.lat_mean > MAX_BACKLOG * load.started:
         return f"{OVERLOADED}: {load.started} calls started, {load.finished} finished"
     if growth > MAX_BACKLOG * load.started:
         return f"behind: {load.started} calls started, {load.finished} finished"

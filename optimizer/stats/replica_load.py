@@ -31,6 +31,7 @@ class ReplicaLoad:
     ttft_mean: float  # t_first_byte - t_start, where known; nan if never
     lat_mean_early: float  # mean latency of the finished calls that started in the first half
     lat_mean_late: float  # ... and in the second half (nan where none)
+    open_early: int  # logical calls started in the first half and not ended by the window's end
 
     @property
     def window_s(self) -> float:

@@ -11,7 +11,9 @@ Invariants:
   finished row that supersedes it (calls are counted by ``call_id``);
 - ``started`` counts logical calls whose start lies in ``[t_from, t_to)``; the latency figures
   and ``finished`` cover calls that ended in ``[t_from, t_to)`` with status 200 (a window's
-  completions: at a steady load as many as started);
+  completions: at a steady load as many as started); ``open_early`` counts logical calls that
+  started in the window's first half and had not ended (any status) by its end: calls waiting
+  in a queue, where a slowdown in the window's last seconds leaves none;
 - rows without an upstream (refused before any replica was picked) are left out;
 - the connection is closed whatever happens; a segment found unreadable is skipped
   (``StoreReader.read``).
@@ -57,12 +59,16 @@ def replica_loads(
                 WHERE t_end IS NOT NULL AND status = 200 AND t_end >= {lo} AND t_end < {hi})
             SELECT k.model, k.upstream,
                    coalesce(s.started, 0), coalesce(d.finished, 0), d.lat_mean, d.p50, d.p90,
-                   d.p99, d.ttft, d.early, d.late
+                   d.p99, d.ttft, d.early, d.late, coalesce(s.open_early, 0)
             FROM (SELECT DISTINCT model, upstream FROM c
                   WHERE (t_start >= {lo} AND t_start < {hi})
                      OR (t_end >= {lo} AND t_end < {hi})) k
-            LEFT JOIN (SELECT model, upstream, count(DISTINCT call_id) AS started FROM c
-                       WHERE t_start >= {lo} AND t_start < {hi} GROUP BY ALL) s
+            LEFT JOIN (SELECT model, upstream, count(DISTINCT call_id) AS started,
+                              count(DISTINCT call_id) FILTER (WHERE t_start < {mid})
+                                - count(DISTINCT call_id) FILTER (
+                                    WHERE t_start < {mid} AND t_end IS NOT NULL AND t_end < {hi})
+                                AS open_early
+                       FROM c WHERE t_start >= {lo} AND t_start < {hi} GROUP BY ALL) s
               USING (model, upstream)
             LEFT JOIN (SELECT model, upstream, count(*) AS finished, avg(lat) AS lat_mean,
                               quantile_cont(lat, 0.5) AS p50, quantile_cont(lat, 0.9) AS p90,
@@ -92,8 +98,9 @@ def replica_loads(
             ttft_mean=_f(ttft),
             lat_mean_early=_f(early),
             lat_mean_late=_f(late),
+            open_early=int(open_early),
         )
-        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late in rows
+        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late, open_early in rows
     ]
 
 

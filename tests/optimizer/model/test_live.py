@@ -41,6 +41,7 @@ def _load(**kw: object) -> ReplicaLoad:
         ttft_mean=0.1,
         lat_mean_early=0.6,
         lat_mean_late=0.62,
+        open_early=0,
     )
     return replace(base, **kw)  # type: ignore[arg-type]
 
@@ -82,12 +83,29 @@ def test_too_few_calls_a_short_window_or_a_late_start_make_no_point(
     assert reason is not None and why in reason
 
 
-def test_a_queue_growing_with_latency_makes_a_saturated_point() -> None:
-    queue = _load(started=160, finished=100, lat_mean_early=0.5, lat_mean_late=0.9)
+@pytest.mark.parametrize(
+    "queue",
+    [
+        # a queue building up in the window: latency climbs well past the first half's
+        _load(started=160, finished=100, lat_mean_early=0.5, lat_mean_late=0.9),
+        # a queue already long when the window began: latency flat-ish, first-half calls open
+        _load(started=160, finished=100, lat_mean_early=8.0, lat_mean_late=8.6, open_early=30),
+    ],
+)
+def test_a_queue_across_the_window_makes_a_saturated_point(queue: ReplicaLoad) -> None:
     (p,) = _points(queue)
     assert p.throughput == pytest.approx(100 / 40) and p.offered_rate == pytest.approx(160 / 40)
     reason = verdict(queue, _Replica(), T0 - 100, 20.0)
     assert reason is not None and reason.startswith(live.OVERLOADED)
+
+
+def test_a_slowdown_in_the_windows_last_seconds_teaches_nothing() -> None:
+    # as in an emulated demo window whose engines lost the CPU for its last 4 s: 11 calls in
+    # flight, all started late; latency only mildly up; nothing from the first half open
+    tail = _load(started=33, finished=22, lat_mean=1.87, lat_mean_early=1.7, lat_mean_late=2.1)
+    assert _points(tail) == []
+    reason = verdict(tail, _Replica(), T0 - 100, 20.0)
+    assert reason is not None and reason.startswith("behind")
 
 
 @pytest.mark.parametrize(

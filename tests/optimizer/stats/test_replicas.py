@@ -88,3 +88,17 @@ def test_latency_early_and_late_in_the_window(tmp_path: Path) -> None:
     _write(tmp_path, rows)
     (a,) = replica_loads_store(tmp_path, 100 * S, 112 * S)
     assert a.lat_mean_late > 2 * a.lat_mean_early
+
+
+def test_calls_of_the_first_half_still_open_at_the_end(tmp_path: Path) -> None:
+    rows = [
+        _row("m", "http://a", 101, None),  # queued since the first half: open
+        _row("m", "http://a", 102, 113),  # ended after the window: open at its end
+        _row("m", "http://a", 103, None, call_id="y"),  # open row superseded by its end
+        _row("m", "http://a", 103, 104, call_id="y"),
+        _row("m", "http://a", 104, 105, status=500),  # failed: ended, not queued
+        _row("m", "http://a", 108, None),  # second half: a late start, not counted
+    ]
+    _write(tmp_path, rows)
+    (a,) = replica_loads_store(tmp_path, 100 * S, 110 * S)
+    assert (a.started, a.finished, a.open_early) == (5, 1, 2)
