@@ -17,7 +17,8 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
 - the point's rates are those the replica served, so the curve it corrects is read at the load
   the replica actually saw; nothing here extrapolates;
 - a window is not trusted when calls started but not finished in it exceed ``MAX_BACKLOG`` of
-  those started, or the mean latency of calls started in its second half exceeds
+  those started, or calls finished exceed those started by as much (a queue from before it
+  draining: its latencies are the queue's), or the mean latency of calls started in its second half exceeds
   ``MAX_RISE`` x that of its first half (a queue building up reads as rising latency);
 - an *overloaded* window — calls in flight grown by more than ``MAX_BACKLOG`` of those started
   beyond the replica's steady occupancy (Little's law: throughput x latency, which a window
@@ -27,7 +28,9 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
   makes a *saturated*
   point: what the replica served while it could not keep up is what it can serve, so the
   point says so as a replayed overloaded point does, with an offered rate above its throughput
-  (the calls started per second, at least ``SATURATED_OFFER`` x the throughput); its latency
+  (the calls started per second, at least ``SATURATED_OFFER`` x the throughput) and its
+  throughput that of the window's second half where it beats the whole window's (a queue that
+  began mid-window: its first half served only what arrived); its latency
   (a queue's) corrects nothing, its throughput caps ``T_m`` (:mod:`optimizer.model.curves`).
   Without saturated points a replica that became slower would teach nothing until its queue
   drained.
@@ -115,6 +118,8 @@ def verdict(
         return f"{OVERLOADED}: {load.started} calls started, {load.finished} finished"
     if growth > MAX_BACKLOG * load.started:
         return f"behind: {load.started} calls started, {load.finished} finished"
+    if -growth > MAX_BACKLOG * load.started:
+        return f"draining: {load.started} calls started, {load.finished} finished"
     if rising and late > MAX_RISE * early:
         return f"latency rose from {early:.3f} s to {late:.3f} s in the window"
     return None
@@ -145,8 +150,9 @@ def live_points(
             out.append(_point(load, replica, gpu_types, engines))
         elif why.startswith(OVERLOADED):
             point = _point(load, replica, gpu_types, engines)
-            offered = max(load.started / load.window_s, SATURATED_OFFER * point.throughput)
-            out.append(replace(point, offered_rate=offered))
+            served = max(point.throughput, load.finished_late / (load.window_s / 2))
+            offered = max(load.started / load.window_s, SATURATED_OFFER * served)
+            out.append(replace(point, offered_rate=offered, throughput=served))
     return out
 
 

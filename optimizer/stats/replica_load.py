@@ -32,6 +32,7 @@ class ReplicaLoad:
     lat_mean_early: float  # mean latency of the finished calls that started in the first half
     lat_mean_late: float  # ... and in the second half (nan where none)
     open_early: int  # logical calls started in the first half and not ended by the window's end
+    finished_late: int  # of ``finished``, those that ended in the window's second half
 
     @property
     def window_s(self) -> float:

@@ -13,7 +13,8 @@ Invariants:
   and ``finished`` cover calls that ended in ``[t_from, t_to)`` with status 200 (a window's
   completions: at a steady load as many as started); ``open_early`` counts logical calls that
   started in the window's first half and had not ended (any status) by its end: calls waiting
-  in a queue, where a slowdown in the window's last seconds leaves none;
+  in a queue, where a slowdown in the window's last seconds leaves none; ``finished_late``
+  those of ``finished`` that ended in its second half;
 - rows without an upstream (refused before any replica was picked) are left out;
 - the connection is closed whatever happens; a segment found unreadable is skipped
   (``StoreReader.read``).
@@ -59,7 +60,8 @@ def replica_loads(
                 WHERE t_end IS NOT NULL AND status = 200 AND t_end >= {lo} AND t_end < {hi})
             SELECT k.model, k.upstream,
                    coalesce(s.started, 0), coalesce(d.finished, 0), d.lat_mean, d.p50, d.p90,
-                   d.p99, d.ttft, d.early, d.late, coalesce(s.open_early, 0)
+                   d.p99, d.ttft, d.early, d.late, coalesce(s.open_early, 0),
+                   coalesce(d.finished_late, 0)
             FROM (SELECT DISTINCT model, upstream FROM c
                   WHERE (t_start >= {lo} AND t_start < {hi})
                      OR (t_end >= {lo} AND t_end < {hi})) k
@@ -76,7 +78,8 @@ def replica_loads(
                               avg((t_first_byte - t_start) / 1e6) AS ttft,
                               avg(lat) FILTER (WHERE t_start >= {lo} AND t_start < {mid})
                                 AS early,
-                              avg(lat) FILTER (WHERE t_start >= {mid}) AS late
+                              avg(lat) FILTER (WHERE t_start >= {mid}) AS late,
+                              count(*) FILTER (WHERE t_end >= {mid}) AS finished_late
                        FROM done GROUP BY ALL) d
               USING (model, upstream)
             ORDER BY k.model, k.upstream
@@ -99,8 +102,9 @@ def replica_loads(
             lat_mean_early=_f(early),
             lat_mean_late=_f(late),
             open_early=int(open_early),
+            finished_late=int(finished_late),
         )
-        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late, open_early in rows
+        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late, open_early, finished_late in rows
     ]
 
 

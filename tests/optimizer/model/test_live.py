@@ -42,6 +42,7 @@ def _load(**kw: object) -> ReplicaLoad:
         lat_mean_early=0.6,
         lat_mean_late=0.62,
         open_early=0,
+        finished_late=50,
     )
     return replace(base, **kw)  # type: ignore[arg-type]
 
@@ -97,6 +98,20 @@ def test_a_queue_across_the_window_makes_a_saturated_point(queue: ReplicaLoad) -
     assert p.throughput == pytest.approx(100 / 40) and p.offered_rate == pytest.approx(160 / 40)
     reason = verdict(queue, _Replica(), T0 - 100, 20.0)
     assert reason is not None and reason.startswith(live.OVERLOADED)
+
+
+def test_a_queue_from_mid_window_is_served_at_the_second_halfs_rate() -> None:
+    # arrivals tripled mid-window: the first half served what arrived, the second what it could
+    shift = _load(started=64, finished=25, lat_mean_early=1.8, lat_mean_late=6.0, finished_late=15)
+    (p,) = _points(shift)
+    assert p.throughput == pytest.approx(15 / 20) and p.offered_rate == pytest.approx(64 / 40)
+
+
+def test_a_draining_queue_teaches_nothing() -> None:
+    drain = _load(started=86, finished=120, lat_mean=13.8, lat_mean_early=16.0, lat_mean_late=9.0)
+    assert _points(drain) == []
+    reason = verdict(drain, _Replica(), T0 - 100, 20.0)
+    assert reason is not None and reason.startswith("draining")
 
 
 def test_a_slowdown_in_the_windows_last_seconds_teaches_nothing() -> None:

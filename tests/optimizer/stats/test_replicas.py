@@ -67,6 +67,7 @@ def test_each_replica_gets_its_own_counts_latencies_and_ttft(tmp_path: Path) -> 
     assert a.lat_mean == pytest.approx(0.5) and a.lat_p99 == pytest.approx(0.5)
     assert a.ttft_mean == pytest.approx(0.1)
     assert a.lat_mean_early == pytest.approx(0.5) and a.lat_mean_late == pytest.approx(0.5)
+    assert a.finished_late == 5  # ended at 105.5 … 109.5
     assert (b.started, b.finished) == (6, 4)
     assert b.lat_mean == pytest.approx(2.0) and math.isnan(b.ttft_mean)
 
@@ -101,4 +102,4 @@ def test_calls_of_the_first_half_still_open_at_the_end(tmp_path: Path) -> None:
     ]
     _write(tmp_path, rows)
     (a,) = replica_loads_store(tmp_path, 100 * S, 110 * S)
-    assert (a.started, a.finished, a.open_early) == (5, 1, 2)
+    assert (a.started, a.finished, a.open_early, a.finished_late) == (5, 1, 2, 0)
