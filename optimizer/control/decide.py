@@ -436,6 +436,16 @@ def keep_running(
     )
 
 
+def waiting(state: DetectorState, det: Detection, reason: str) -> tuple[Decision, DetectorState]:
+    """A plan that has to wait for traffic (it would stop a model that a workflow with too
+    few requests to plan for still calls): nothing done, the streaks kept so the change is
+    retried next window; ``pending``, since waiting for data is no failure."""
+    return (
+        Decision(det.t, "pending", (*(c.reason for c in det.changes), reason), det.changes),
+        replace(state, streaks=det.streaks),
+    )
+
+
 def failed(state: DetectorState, det: Detection, reason: str) -> tuple[Decision, DetectorState]:
     """The search or placement failed: record why, keep the streaks (retry next window)."""
     return (

@@ -52,6 +52,7 @@ from optimizer.control.decide import (
     judge,
     keep_running,
     snapshot_from_stats,
+    waiting,
 )
 from optimizer.control.proposal import (
     Running,
@@ -255,9 +256,18 @@ def _replan(
         called = inp.recent_models | {m for ws in inp.stats.values() for m in ws.models}
         orphaned = sorted(set(plan.dropped) & called)
         if orphaned:  # a workflow below min_requests still calls them: wait for it
-            raise PlanningError(
-                f"the plan would stop serving {', '.join(orphaned)}, which still get calls "
-                "from a workflow without enough requests to plan for yet"
+            decision, detector = waiting(
+                prior,
+                det,
+                f"waiting: the plan would stop serving {', '.join(orphaned)}, which still get "
+                "calls from a workflow without enough requests to plan for yet",
+            )
+            return replace(
+                seen,
+                decision=decision,
+                state=replace(seen.before, detector=detector),
+                search_s=timer() - t0,
+                searched_s=searched_s,
             )
         proposal = make_proposal(placed.result, plan, seen.predicted_now, rates)
     except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these

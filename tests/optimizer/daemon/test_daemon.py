@@ -250,8 +250,8 @@ async def test_a_model_a_quiet_workflow_still_calls_is_never_dropped(tmp_path: P
         }
     )
     report = await Daemon(settings, backend, clock=FakeClock(T0 + 100)).tick()
-    assert report.decision.kind == "error"
-    assert "stop serving llama-3.2-1b" in report.decision.reasons[-1]
+    assert report.decision.kind == "pending"
+    assert "waiting: the plan would stop serving llama-3.2-1b" in report.decision.reasons[-1]
     assert not backend.started and not backend.stopped
 
 
