@@ -9,6 +9,14 @@ within the 10% tolerance; scale-up at most max(2x, +4 pods) per sync; scale-down
 recommendation of the last 300 s (the default stabilisation window); a pod that finds no free
 GPU stays Pending until one frees (drained pods free theirs).
 
+Cold and warm starts: :meth:`Hpa.initial` starts from ``minReplicas`` (one pod per model), as
+a deployment created with the traffic already on; :func:`settled_counts` gives the pod counts
+the HPA's own rule settles on at a steady load (a fixed point of ``desired = ceil(Σ
+utilisation / target)`` over short static simulations at those counts, pods beyond the GPUs
+left out round-robin as Pending pods would be), which :meth:`Hpa.initial` takes as a warm
+start: how an autoscaled deployment that has run at that rate for a while looks, so its figures
+measure the rule's steady behaviour (and its oscillation), not how fast it ramps from cold.
+
 Invariants: deterministic (no randomness of its own); a model keeps at least one serving pod;
 never more pods than ``gpus``; one record per sync in ``log``.
 """
@@ -16,13 +24,19 @@ never more pods than ``gpus``; one record per sync in ``log``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sim.cluster import Allocation, Replica, ReplicaSpec
+from sim.des import WorkloadSpec, simulate
 from sim.dynamic import DynamicSimulation
 
-__all__ = ["Hpa", "HpaSettings"]
+__all__ = ["METRIC", "Hpa", "HpaSettings", "settled_counts"]
+
+METRIC = (
+    "GPU utilisation (DCGM GPU_UTIL: busy fraction of the sync period), mean over the model's pods"
+)
 
 
 @dataclass(frozen=True)
@@ -51,9 +65,10 @@ class Hpa:
     def __post_init__(self) -> None:
         self.interval_s = self.settings.sync_s
 
-    def initial(self) -> Allocation:
-        """minReplicas = 1 per model."""
-        return Allocation(tuple(ReplicaSpec(m, self.gpu, 1, 1.0, 1) for m in self.models))
+    def initial(self, counts: Mapping[str, int] | None = None) -> Allocation:
+        """Cold: minReplicas = 1 per model; warm: ``counts`` pods per model (at least 1)."""
+        n = {m: max(1, (counts or {}).get(m, 1)) for m in self.models}
+        return Allocation(tuple(ReplicaSpec(m, self.gpu, 1, 1.0, n[m]) for m in self.models))
 
     def _utilisation(self, r: Replica, dt: float) -> float:
         last = self._busy.get(r.name, 0.0)
@@ -121,3 +136,54 @@ class Hpa:
                     self.pending[m] -= 1
                     free -= 1
                     sim.start(Allocation((ReplicaSpec(m, self.gpu, 1, 1.0, 1),)))
+
+
+def _desired(usage: float, current: int, s: HpaSettings) -> int:
+    """The HPA's recommendation for ``current`` pods using ``usage`` (Σ utilisation)."""
+    ratio = usage / (s.target_utilisation * current)
+    return (
+        current
+        if abs(ratio - 1.0) <= s.tolerance
+        else max(1, math.ceil(usage / s.target_utilisation))
+    )
+
+
+def _fit(desired: Mapping[str, int], models: Sequence[str], gpus: int) -> dict[str, int]:
+    """What starts of ``desired`` on ``gpus`` whole GPUs: one pod each, then round-robin (the
+    order :meth:`Hpa._start_pending` starts Pending pods in)."""
+    got = {m: 1 for m in models}
+    free = gpus - len(models)
+    while free > 0 and any(got[m] < desired[m] for m in models):
+        for m in models:
+            if free > 0 and got[m] < desired[m]:
+                got[m] += 1
+                free -= 1
+    return got
+
+
+def settled_counts(
+    models: Sequence[str],
+    gpus: int,
+    workloads: Sequence[WorkloadSpec],
+    seed: int,
+    duration_s: float,
+    gpu: str = "a6000",
+    settings: HpaSettings | None = None,
+    max_rounds: int = 8,
+) -> dict[str, int]:
+    """Pods per model the HPA settles on under ``workloads`` (see the module docstring): from
+    one pod each, simulate ``duration_s`` at the current counts, apply the rule to each model's
+    summed utilisation, fit to the GPUs, until the counts repeat (or ``max_rounds``)."""
+    s = settings or HpaSettings()
+    counts = {m: 1 for m in models}
+    seen: list[dict[str, int]] = []
+    for _ in range(max_rounds):
+        alloc = Allocation(tuple(ReplicaSpec(m, gpu, 1, 1.0, counts[m]) for m in models))
+        res = simulate(alloc, workloads, duration_s=duration_s, drain_s=0.0, seed=seed)
+        usage = {m: sum(r.utilisation for r in res.replicas if r.model == m) for m in models}
+        nxt = _fit({m: _desired(usage[m], counts[m], s) for m in models}, models, gpus)
+        if nxt == counts or nxt in seen:  # settled, or the rule oscillates: keep the last
+            return nxt
+        seen.append(counts)
+        counts = nxt
+    return counts

@@ -27,7 +27,9 @@ RAG rate steps up and down; both systems run in ``sim.dynamic`` on the same arri
   4. record: one entry per pass in ``decisions``.
   It starts from the allocation searched and placed for the first step's rates, with the
   evaluation's pipelines (``Knowledge.pipelines``).
-- hpa: ``sim.hpa.Hpa`` over all five models, from one replica each.
+- hpa: ``sim.hpa.Hpa`` over all five models, from one replica each; hpa_warm: the same HPA
+  from the pod counts its rule settles on at the first step's rates
+  (``sim.hpa.settled_counts``), as Scepsy starts from its allocation for them.
 
 Reported: per system, reconfigurations (Scepsy: rollouts; HPA: syncs that started or retired
 pods) in total and per rate step, replicas started, mean latency per workflow, and latency over
@@ -75,7 +77,7 @@ from shared.store import SegmentWriter
 from sim.cluster import Allocation, Replica
 from sim.des import SimResult
 from sim.dynamic import DynamicSimulation, colocate, run_dynamic
-from sim.hpa import Hpa
+from sim.hpa import Hpa, settled_counts
 from sim.trace import DEFAULT_T0_US, call_rows, open_rows
 
 STEPS = (0.25, 0.7, 0.25, 0.55)  # RAG rate per step, x Scepsy's RAG capacity next to beam
@@ -360,8 +362,10 @@ def _run(
         groups = controller.initial({"beam": beam_rate, "rag": steps[0][1]})
         initial = allocation_of(groups)
     else:
-        controller = Hpa(workflow_models("combined"), gpus)
-        initial = controller.initial()
+        models = workflow_models("combined")
+        controller = Hpa(models, gpus)
+        warm = settled_counts(models, gpus, specs, seed, 150.0) if system == "hpa_warm" else None
+        initial = controller.initial(warm)
     try:
         sim = DynamicSimulation(
             initial, specs, seed, controller, COLD_START_S, record_calls=system == "scepsy"
@@ -406,9 +410,8 @@ def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, 
     step_s = 480.0 if quick else 900.0
     steps = [(i * step_s, f * top) for i, f in enumerate(STEPS)]
     duration = step_s * len(STEPS)
-    runs = list(
-        pool.map(_run, [(s, k, gpus, beam_rate, steps, duration, 7) for s in ("scepsy", "hpa")])
-    )
+    systems = ("scepsy", "hpa", "hpa_warm")
+    runs = list(pool.map(_run, [(s, k, gpus, beam_rate, steps, duration, 7) for s in systems]))
     return {
         "label": "simulated",
         "gpus": gpus,
@@ -418,5 +421,5 @@ def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, 
         "duration_s": duration,
         "controller": "optimizer.control.step.step (the daemon's pass) with default "
         "OptimizerSettings (interval 60 s, window 120 s, 3 windows to confirm, cooldown 300 s)",
-        "systems": dict(zip(("scepsy", "hpa"), runs, strict=True)),
+        "systems": dict(zip(systems, runs, strict=True)),
     }

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.evaluation.setup import DYNAMIC_DRAIN_S, HEADROOM, PAPER_ABLATION, PAPER_HPA, SYSTEMS
+from sim.hpa import METRIC as HPA_METRIC
 
 Point = dict[str, Any]
 LATENCY_SLACK = 1.05  # a baseline faster than Scepsy by less than this is a tie (noise)
@@ -262,6 +263,10 @@ def markdown(
         "sustain, median [min-max]. Paper: Fig. 6 (HPA) throughput gain and latency "
         "range.",
         "",
+        f"Autoscaler: the Kubernetes HPA per model on whole GPUs, metric {HPA_METRIC}, "
+        "target 70%; `hpa` starts cold (one pod per model) at every rate, `hpa_warm` at "
+        "the pod counts its own rule settles on at that rate (`sim.hpa.settled_counts`).",
+        "",
     ]
     for wf, by_gpus in summary.items():
         lines += [f"## {wf}", ""]
@@ -289,7 +294,7 @@ def markdown(
                     else "-"
                 )
                 paper = ""
-                if system == "hpa" and wf in PAPER_HPA and int(gpus) in PAPER_HPA[wf]:
+                if system.startswith("hpa") and wf in PAPER_HPA and int(gpus) in PAPER_HPA[wf]:
                     thr, (lo, hi) = PAPER_HPA[wf][int(gpus)]
                     paper = f"{thr}x, latency {lo}-{hi}x"
                 elif system.startswith("no_") and wf in PAPER_ABLATION:
@@ -443,7 +448,7 @@ def plot_curves(points: Sequence[Point], out: Path) -> list[str]:
     for wf, gpus in sorted({(w, g) for w, g, _ in groups}):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         panels = (
-            ("vs baselines (Fig. 6)", ("scepsy", "hpa", "independent", "even")),
+            ("vs baselines (Fig. 6)", ("scepsy", "hpa", "hpa_warm", "independent", "even")),
             ("ablations (Fig. 10)", ("scepsy", "no_tp", "no_fraction", "no_tp_no_fraction")),
         )
         for ax, (title, systems) in zip(axes, panels, strict=True):
@@ -484,14 +489,19 @@ def plot_dynamic(d: dict[str, Any], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for name, s in d["systems"].items():
+    for i, (name, s) in enumerate(d["systems"].items()):
+        colour = f"C{i}"
         for wf, style in (("beam", "-"), ("rag", "--")):
             series = s["timeline"][wf]
             axes[0].plot(
-                [t for t, _ in series], [v for _, v in series], style, label=f"{name} {wf}"
+                [t for t, _ in series],
+                [v for _, v in series],
+                style,
+                color=colour,
+                label=f"{name} {wf}",
             )
         for t in s["rollout_times"]:
-            axes[1].axvline(t, color="C0" if name == "scepsy" else "C1", alpha=0.5)
+            axes[1].axvline(t, color=colour, alpha=0.5)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("mean latency per 30 s (s)")
     axes[0].legend(fontsize=8)

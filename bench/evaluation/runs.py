@@ -2,8 +2,10 @@
 
 Role: the unit of work ``bench.evaluation.evaluate`` farms out to a process pool. A :class:`PointJob`
 names the system, workflow kind, cluster size, offered rates and either a static allocation
-(run with ``sim.des.simulate``) or ``None`` for the autoscaler (run with
-``sim.dynamic`` with ``sim.hpa``, starting from one replica per model, measured after it settled).
+(run with ``sim.des.simulate``) or ``None`` for the autoscaler (run with ``sim.dynamic`` with
+``sim.hpa``, measured after its warm-up): ``hpa`` starts cold (one replica per model),
+``hpa_warm`` at the pod counts its own rule settles on at the point's load
+(``sim.hpa.settled_counts``, over ``HPA_SETTLE_ROUNDS`` static runs of ``hpa_window_s / 4``).
 
 Measurement (all simulated): requests arriving in the window ``[warm-up, end of arrivals)``;
 warm-up and window are multiples of the light-load request latency (at least enough for the
@@ -25,9 +27,11 @@ from bench.evaluation.setup import SUSTAINED, RunLengths, workflow_models, workl
 from sim.cluster import Allocation
 from sim.des import SimResult, simulate
 from sim.dynamic import DynamicSimulation, run_dynamic
-from sim.hpa import Hpa
+from sim.hpa import METRIC, Hpa, settled_counts
 
 COLD_START_S = 90.0  # optimizer settings' cold_start_s default (calibration.md: 52-110 s)
+HPA_SYSTEMS = ("hpa", "hpa_warm")  # the autoscaler: cold and warm-started
+HPA_SETTLE_ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,19 @@ def run_point(job: PointJob) -> dict[str, Any]:
         if len(models) > job.gpus:  # one whole-GPU pod per model cannot even start
             return _unserved(job, set(models[job.gpus :]))
         hpa = Hpa(models, job.gpus)
-        sim = DynamicSimulation(hpa.initial(), specs, job.seed, hpa, COLD_START_S)
+        counts = None
+        if job.system == "hpa_warm":
+            settle_s = max(60.0, job.lengths.hpa_window_s / 4)
+            counts = settled_counts(
+                models, job.gpus, specs, job.seed, settle_s, max_rounds=HPA_SETTLE_ROUNDS
+            )
+        sim = DynamicSimulation(hpa.initial(counts), specs, job.seed, hpa, COLD_START_S)
         res = run_dynamic(sim, horizon, warm, drain)
         in_window = [c for c in sim.changes if warm <= c.t < horizon]
         extra = {
+            "metric": METRIC,
+            "start": "warm" if counts else "cold",
+            "replicas_start": counts or {m: 1 for m in models},
             "scaling_events": sum(1 for c in in_window if c.kind in ("start", "retire")),
             "replicas_end": {m: len(sim.serving(m)) for m in hpa.models},
             "replica_range": _replica_range(hpa.log, warm, horizon),

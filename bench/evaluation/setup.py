@@ -31,7 +31,16 @@ HEADROOM = 0.1
 # 8B models' context), encoders one batch of their longest inputs.
 MIN_KV_TOKENS = {"generate": 8192, "embed": 4096, "rerank": 4096}
 
-SYSTEMS = ("scepsy", "hpa", "independent", "even", "no_tp", "no_fraction", "no_tp_no_fraction")
+SYSTEMS = (
+    "scepsy",
+    "hpa",
+    "hpa_warm",
+    "independent",
+    "even",
+    "no_tp",
+    "no_fraction",
+    "no_tp_no_fraction",
+)
 ABLATIONS = {
     "scepsy": (True, True),
     "no_tp": (False, True),
