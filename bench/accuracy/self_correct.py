@@ -57,6 +57,7 @@ from shared.profile_points import ProfilePoint
 TOLERANCE = 0.15  # |pred - obs| / obs the issue asks for
 NEW_MODEL = "bge-reranker-base"
 SLOW_ORDER = ("llama-3-8b", "llama-3.2-1b", "llama-3.1-8b-prm", "e5-base-v2", NEW_MODEL)
+QUIET = {"steady", "unchanged"}  # passes that saw nothing to act on
 LABEL = (
     "emulated: sim.cli engines at speed-up 1 behind the real proxy, store and daemon; "
     "starting profiles simulated (sim.profiles)"
@@ -265,10 +266,12 @@ async def scenario_b(
     try:
         await stack.start(load_s)
         deadline = time.monotonic() + settle_max_s
-        while time.monotonic() < deadline:  # planned, and no rollout in the last 4 passes
+        while time.monotonic() < deadline:  # planned, and 4 quiet passes since
             await stack.watch(shape.interval_s)
             kinds = [r.decision.kind for r in stack.passes]
-            if len(kinds) >= 8 and not {"rollout", "error", "no_data"} & set(kinds[-4:]):
+            # a pending change or one held by the cooldown may still roll out (and replace the
+            # replica about to be slowed): only passes that saw nothing to do count as quiet
+            if len(kinds) >= 8 and set(kinds[-4:]) <= QUIET:
                 break
         replica = await _choose(stack)
         assert stack.backend is not None
