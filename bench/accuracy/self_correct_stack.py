@@ -36,12 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 import yaml
 
 from optimizer.daemon.service import Daemon, TickReport
-from optimizer.demo.run import LOAD_DRIVER, DemoConfig, Stack, bootstrap, settings_doc
+from optimizer.demo.run import (
+    LOAD_DRIVER,
+    DemoConfig,
+    Stack,
+    bootstrap,
+    settings_doc,
+    wait_http,
+)
 from optimizer.rollout.local import engines
 from optimizer.rollout.local.backend import LocalBackend
 from optimizer.store.profiles import save_points
@@ -182,7 +188,7 @@ class Emulated:
         self._stack = stack = Stack(self.run)
         stack.spawn("proxy", [sys.executable, "-m", "proxy.cli", "--config",
                               str(self.run / "settings.yaml"), "--log-level", "WARNING"])  # fmt: skip
-        await _wait_http(f"http://127.0.0.1:{port}/health", 60)
+        await wait_http(f"http://127.0.0.1:{port}/health", 60)
         cluster = cluster_from_settings(settings.cluster)
         self.backend = stack.backend = LocalBackend.from_settings(settings, cluster)
         await bootstrap(settings, self.backend)
@@ -232,16 +238,3 @@ class Emulated:
         await self.stop_daemon()
         if self._stack is not None:
             await self._stack.close()
-
-
-async def _wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
-            await asyncio.sleep(0.2)

@@ -229,7 +229,8 @@ class Stack:
                 proc.wait()
 
 
-async def _wait_http(url: str, timeout_s: float) -> None:
+async def wait_http(url: str, timeout_s: float) -> None:
+    """Until ``url`` answers 200 (polled every 0.2 s); ``RuntimeError`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while True:
@@ -420,7 +421,7 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
                     "WARNING",
                 ],
             )
-            await _wait_http(f"http://127.0.0.1:{port}/health", 60)
+            await wait_http(f"http://127.0.0.1:{port}/health", 60)
             stack.backend = LocalBackend.from_settings(
                 settings, cluster_from_settings(settings.cluster)
             )
