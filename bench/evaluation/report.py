@@ -80,6 +80,9 @@ def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, A
             "max_sustained_rate": top["rate"] if top is not None else 0.0,
             "censored": top is not None and top["rate"] >= max(p["rate"] for p in pts),
             "rates_compared": len(ratios),
+            # False: no point of the series placed at all (e.g. one whole-GPU pod per model
+            # does not fit): "n/a", not a peak of 0
+            "placeable": any("unserved" not in p and p.get("placed") is not False for p in pts),
         }
         summary.setdefault(wf, {}).setdefault(str(gpus), {})[system] = entry
         if system == "scepsy":
@@ -300,8 +303,11 @@ def markdown(
                 elif system.startswith("no_") and wf in PAPER_ABLATION:
                     paper = PAPER_ABLATION[wf]
                 peak = (">=" if e["censored"] else "") + _fmt(e["max_sustained_rate"])
+                measured = _fmt(e["peak_throughput"])
+                if not e.get("placeable", True):
+                    peak = measured = "n/a"
                 lines.append(
-                    f"| {gpus} | {system} | {peak} | {_fmt(e['peak_throughput'])} | "
+                    f"| {gpus} | {system} | {peak} | {measured} | "
                     f"{_fmt(e['throughput_ratio_scepsy_over'])} | {lat} | "
                     f"{_fmt(e['p90_ratio_to_scepsy_median'])} | {paper} |"
                 )

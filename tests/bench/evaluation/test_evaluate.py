@@ -297,3 +297,16 @@ def test_cached_knowledge_keeps_the_pipelines_overlapping_pairs() -> None:
         orjson.dumps(_to_doc(Knowledge({}, {"fan": pipe}, ProfileBook([]), (), {"fan": 1.0})))
     )
     assert _from_doc(doc).pipelines == {"fan": pipe}
+
+
+def test_a_system_that_never_places_is_not_applicable_not_zero() -> None:
+    points = [
+        _pt("scepsy", 1.0, 1.0, True),
+        _pt("hpa", 1.0, 0.0, False, unserved=["llama-3-8b"]),
+        _pt("even", 1.0, 0.0, False, placed=False),
+        _pt("independent", 1.0, 0.5, False),  # placed, did not sustain: a real 0
+    ]
+    summary, _ = summarise(points)
+    s = summary["beam"]["4"]
+    assert not s["hpa"]["placeable"] and not s["even"]["placeable"]
+    assert s["independent"]["placeable"] and s["scepsy"]["placeable"]
