@@ -17,7 +17,9 @@ Order (make-before-break where the GPUs allow):
 2. start every new group whose GPUs no old group holds, wait for it, route it;
 3. when the remaining new groups all need GPUs old groups hold: pick the one whose blocking old
    groups can go while every model they serve keeps a routed replica elsewhere (fewest blockers
-   first), drain and stop those, then go back to 2; the rest of the replicas carry the traffic.
+   first), with the blockers of further new groups as long as no served model loses more than
+   half of its routed replicas at once, drain and stop those, then go back to 2; the rest of
+   the replicas carry the traffic.
    If every choice would leave a model unserved and a cluster is given, first start a temporary
    copy of one of its replicas on GPUs no running or target group uses (stopped in 4);
 4. drain and stop the old groups left.
@@ -390,14 +392,40 @@ def _cheapest_blockers(
 ) -> tuple[list[_Old], set[str]]:
     """The old groups blocking one new group, chosen to leave the fewest models unserved,
     then to stop the fewest groups, then first in target order; the models they would leave
-    unserved."""
+    unserved. Where that leaves every model served, the blockers of further new groups (in the
+    same order) join the batch while every model still keeps a routed replica and no model
+    loses more than half of its routed replicas at once: each round of a rollout on a full
+    cluster costs a drain and a cold start, so groups whose swap the traffic can bear together
+    are swapped together."""
     options = []
     for i, g in enumerate(pending_new):
         blockers = [(gid, rs) for gid, rs in pending_old if _overlap(g, rs)]
         lost = planner.lost([r for _, rs in blockers for r in rs], served)
         options.append((len(lost), len(blockers), i, blockers))
-    _, _, _, blockers = min(options, key=lambda o: o[:3])
-    return blockers, planner.lost([r for _, rs in blockers for r in rs], served)
+    options.sort(key=lambda o: o[:3])
+    first = options[0][3]
+    lost = planner.lost([r for _, rs in first for r in rs], served)
+    if lost:
+        return first, lost
+    batch = list(first)
+    for _, _, _, more in options[1:]:
+        grown = batch + [b for b in more if b not in batch]
+        if len(grown) > len(batch) and _bearable(planner, grown, served):
+            batch = grown
+    return batch, set()
+
+
+def _bearable(planner: _Planner, groups: Sequence[_Old], served: set[str]) -> bool:
+    """Taking ``groups`` down at once leaves every served model a routed replica and at least
+    half of those it has now."""
+    replicas = [r for _, rs in groups for r in rs]
+    if planner.lost(replicas, served):
+        return False
+    down: dict[str, int] = defaultdict(int)
+    for r in replicas:
+        if r.id in planner.routed[r.model]:
+            down[r.model] += 1
+    return all(n <= len(planner.routed[m]) // 2 for m, n in down.items() if m in served)
 
 
 def _as_running(g: GroupSpec) -> _Old:

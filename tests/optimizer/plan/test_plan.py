@@ -151,6 +151,39 @@ def test_blocked_groups_are_replaced_one_at_a_time_while_others_serve() -> None:
     assert "a=1" in lines[0] and "a=2, b=2" in lines[-1]
 
 
+def test_blocked_groups_the_traffic_can_spare_are_swapped_together() -> None:
+    # Four whole-GPU replicas of a become four shared GPUs: half of a's replicas may go at
+    # once, so two rounds (each a drain and a cold start) instead of four.
+    old = group_specs([spec("a", [g]) for g in range(4)])
+    new = group_specs([x for g in range(4) for x in (spec("a", [g], 0.5), spec("b", [g], 0.5))])
+    plan = make_plan(running(old), new)
+    assert [(s.kind, s.gpus) for s in plan.steps] == [
+        ("drain", (0,)),
+        ("drain", (1,)),
+        ("stop", (0,)),
+        ("stop", (1,)),
+        ("start", (0,)),
+        ("start", (1,)),
+        ("wait_ready", (0,)),
+        ("wait_ready", (1,)),
+        ("add_route", (0,)),
+        ("add_route", (1,)),
+        ("drain", (2,)),
+        ("drain", (3,)),
+        ("stop", (2,)),
+        ("stop", (3,)),
+        ("start", (2,)),
+        ("start", (3,)),
+        ("wait_ready", (2,)),
+        ("wait_ready", (3,)),
+        ("add_route", (2,)),
+        ("add_route", (3,)),
+    ]
+    assert plan.safe
+    lines = dry_run(plan, running(old))
+    assert "a=2" in lines[2]  # never fewer than half of a's replicas routed
+
+
 def test_no_order_keeps_a_sole_replica_so_the_plan_says_unsafe() -> None:
     old = group_specs([spec("a", [0])])
     new = group_specs([spec("a", [0], 0.5), spec("b", [0], 0.5)])
