@@ -37,9 +37,10 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import TypeVar
 
 from optimizer.control.decide import (
     Decision,
@@ -59,6 +60,7 @@ from optimizer.control.proposal import (
     cluster_variants,
     cluster_without,
     make_proposal,
+    moved_fraction,
     pipelines,
     predict_running,
     remembered,
@@ -88,6 +90,8 @@ __all__ = [
     "safe_plan",
     "step",
 ]
+
+_L = TypeVar("_L")  # what a plan goes to (a placement)
 
 RECENT_S = 120.0  # a model called this recently is still in use, whatever the window says
 
@@ -293,6 +297,13 @@ def _replan(
     )
 
 
+def quickest(options: Sequence[tuple[Plan, _L]]) -> tuple[Plan, _L] | None:
+    """The safe plan with the fewest cold-start rounds, then the fewest replicas started; the
+    first of equals (callers list the search's own layout first); ``None`` if none is safe."""
+    safe = [o for o in options if o[0].safe]
+    return min(safe, key=lambda o: (o[0].rounds, moved_fraction(o[0]))) if safe else None
+
+
 def safe_plan(
     observed: Observed,
     result: SearchResult,
@@ -301,17 +312,20 @@ def safe_plan(
     cluster: Cluster,
     search_cluster: Cluster,
 ) -> tuple[Plan, Placement]:
-    """The plan to ``placement``, or to another layout of the same allocation (the
-    ``search_cluster``'s GPUs listed in other orders) whose plan leaves no served model without
-    a replica, with the layout it goes to; :class:`PlanningError` if none does."""
+    """Among ``placement`` and the other layouts of the same allocation (the
+    ``search_cluster``'s GPUs listed in other orders), the one whose plan leaves no served model
+    without a replica in the fewest cold-start rounds (``Plan.rounds``), then starting the
+    fewest replicas, ``placement`` first on ties; with the layout it goes to.
+    :class:`PlanningError` if no layout's plan is safe."""
     revisions = settings.rollout.revisions()
     plan = planner.make_plan(
         observed, plan_target.target_from_placement(placement, revisions), cluster
     )
-    if plan.safe:
+    if plan.empty:
         return plan, placement
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
     demands = solve.replica_demands(result, floors)
+    options = [(plan, placement)]
     for variant in cluster_variants(search_cluster)[1:]:
         try:
             other = place(variant, demands)
@@ -320,8 +334,10 @@ def safe_plan(
         alt = planner.make_plan(
             observed, plan_target.target_from_placement(other, revisions), cluster
         )
-        if alt.safe:
-            return alt, other
+        options.append((alt, other))
+    best = quickest(options)
+    if best is not None:
+        return best
     raise PlanningError(
         f"no rollout order keeps every model served ({', '.join(plan.outages)} would be "
         "without a replica for a while); optimizer.reserve_gpus leaves room for "

@@ -83,6 +83,16 @@ class Plan:
     def empty(self) -> bool:
         return not self.steps
 
+    @property
+    def rounds(self) -> int:
+        """Cold-start phases: maximal runs of ``wait_ready`` steps. Each costs the engines'
+        start-up (a minute or more), so it is what a rollout's duration grows with."""
+        return sum(
+            1
+            for i, s in enumerate(self.steps)
+            if s.kind == "wait_ready" and (i == 0 or self.steps[i - 1].kind != "wait_ready")
+        )
+
     def group(self, gid: str) -> GroupSpec:
         for g in (*self.target, *self.temporary):
             if g.id == gid:

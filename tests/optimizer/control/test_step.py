@@ -11,10 +11,11 @@ from types import MappingProxyType
 from typing import Any
 
 from optimizer.control.decide import DetectorState
-from optimizer.control.step import ControlState, StepInput, StepOutput, step
+from optimizer.control.step import ControlState, StepInput, StepOutput, quickest, step
 from optimizer.model.curves import ProfileBook
 from optimizer.plan.observed import Observed, Route, RunningReplica
-from optimizer.plan.planner import Plan
+from optimizer.plan.planner import Plan, make_plan
+from optimizer.plan.target import ReplicaSpec, group_specs
 from optimizer.stats.figures import ModelStats, TokenStats, WorkflowStats
 from shared.profile_points import ProfilePoint
 from shared.settings import Settings, settings_from_mapping
@@ -382,3 +383,30 @@ def test_the_step_imports_no_store_web_process_or_event_loop() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_rollout_goes_to_the_layout_with_the_fewest_cold_start_rounds() -> None:
+    def spec(model: str, gpu: int, share: float) -> ReplicaSpec:
+        return ReplicaSpec(model, "n0", (gpu,), share, int(share * 48_000_000_000))
+
+    old = group_specs([spec("a", 0, 1.0), spec("a", 1, 1.0)])
+    observed = Observed(
+        tuple(
+            RunningReplica(r.id, g.id, "a", "n0", r.spec.gpus, 1.0, 1, f"http://{r.id}", True)
+            for g in old
+            for r in g.replicas
+        ),
+    )
+    observed = Observed(observed.replicas, tuple(Route("a", r.url) for r in observed.replicas))
+
+    def plan_to(*gpus: int) -> Plan:
+        pairs = [x for g in gpus for x in (spec("a", g, 0.5), spec("b", g, 0.5))]
+        return make_plan(observed, group_specs(pairs))
+
+    in_place, beside = plan_to(0, 1), plan_to(2, 3)
+    assert (in_place.rounds, beside.rounds) == (2, 1)  # GPUs 2-3 are free: one round
+    assert quickest([(in_place, "searched"), (beside, "variant")]) == (beside, "variant")
+    assert quickest([(beside, "searched"), (plan_to(2, 3), "same")]) == (beside, "searched")
+    alone = Observed(observed.replicas[:1], observed.routes[:1])  # a's only replica on GPU 0
+    unsafe = make_plan(alone, group_specs([spec("a", 0, 0.5), spec("b", 0, 0.5)]))
+    assert not unsafe.safe and quickest([(unsafe, "unsafe")]) is None
