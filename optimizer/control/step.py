@@ -235,6 +235,17 @@ def _replan(
     cluster = cluster_from_settings(settings.cluster)
     search_cluster = cluster_without(cluster, cfg.reserve_gpus)
     searched_s: float | None = None
+
+    def held(decision: Decision, detector: DetectorState) -> StepOutput:
+        """Nothing planned this pass: ``decision``, the state before it, the search's time."""
+        return replace(
+            seen,
+            decision=decision,
+            state=replace(seen.before, detector=detector),
+            search_s=timer() - t0,
+            searched_s=searched_s,
+        )
+
     try:
         models = {st.model for p in pipes.values() for st in p.stages}
         unknown = sorted(models - set(settings.rollout.revisions()))
@@ -260,29 +271,17 @@ def _replan(
         called = inp.recent_models | {m for ws in inp.stats.values() for m in ws.models}
         orphaned = sorted(set(plan.dropped) & called)
         if orphaned:  # a workflow below min_requests still calls them: wait for it
-            decision, detector = waiting(
-                prior,
-                det,
-                f"waiting: the plan would stop serving {', '.join(orphaned)}, which still get "
-                "calls from a workflow without enough requests to plan for yet",
-            )
-            return replace(
-                seen,
-                decision=decision,
-                state=replace(seen.before, detector=detector),
-                search_s=timer() - t0,
-                searched_s=searched_s,
+            return held(
+                *waiting(
+                    prior,
+                    det,
+                    f"waiting: the plan would stop serving {', '.join(orphaned)}, which still "
+                    "get calls from a workflow without enough requests to plan for yet",
+                )
             )
         proposal = make_proposal(placed.result, plan, seen.predicted_now, rates)
     except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
-        decision, detector = failed(prior, det, f"{type(exc).__name__}: {exc}")
-        return replace(
-            seen,
-            decision=decision,
-            state=replace(seen.before, detector=detector),
-            search_s=timer() - t0,
-            searched_s=searched_s,
-        )
+        return held(*failed(prior, det, f"{type(exc).__name__}: {exc}"))
     decision, detector = judge(prior, det, proposal, cfg)
     return replace(
         seen,
