@@ -21,6 +21,7 @@ from aiohttp import web
 from proxy.app import make_app, make_runner
 from shared import logs
 from shared.settings import (
+    ROUTING_POLICIES,
     Settings,
     SettingsError,
     describe,
@@ -55,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--store", help="trace store folder")
     p.add_argument("--workflow", help="default workflow name for calls that name none")
-    p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
+    p.add_argument("--routing", choices=ROUTING_POLICIES)
     p.add_argument(
         "--help-settings",
         action="store_true",

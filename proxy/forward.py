@@ -54,6 +54,7 @@ from proxy.errors import (
 from proxy.identity import identify, is_private_header, normalise
 from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SETTINGS, UPSTREAM
 from proxy.relay import relay_body, relay_stream
+from proxy.ring import affinity_key
 from proxy.router import Replica
 from proxy.routes import ENGINE_ROUTES, PathRefused
 from proxy.upstream import (
@@ -108,7 +109,8 @@ class Call:
     payload: bytes
     stream: bool
     strip_usage: bool
-    prompt: str | None
+    prompt: str | None  # prefix_affinity's input
+    key: str | None  # consistent_hash's affinity key
     headers: list[tuple[str, str]]
     client_auth: str | None
 
@@ -255,9 +257,24 @@ async def _prepare(request: web.Request) -> tuple[Call, CallRecord]:
         attempt=_client_retries(request),
         body=stored,
     )
-    prompt = _prompt_text(body) if settings.routing.policy == "prefix_affinity" else None
+    routing = settings.routing
+    prompt, key = None, None
+    if routing.policy == "prefix_affinity":
+        prompt = _prompt_text(body)
+    elif routing.policy == "consistent_hash":
+        # A workflow request id is the key when present: the prompt is then not read at all.
+        text = None if ident.request_id else _prompt_text(body)
+        key = affinity_key(ident.workflow, ident.request_id, text, routing.hash_key_chars)
     call = Call(
-        path, model, payload, stream, strip_usage, prompt, _upstream_headers(request), client_auth
+        path,
+        model,
+        payload,
+        stream,
+        strip_usage,
+        prompt,
+        key,
+        _upstream_headers(request),
+        client_auth,
     )
     return call, rec
 
@@ -280,7 +297,7 @@ async def _exchange(request: web.Request, call: Call, rec: CallRecord) -> web.St
     while True:
         recorder.begin(rec)
         try:
-            rep = router.pick(call.model, call.prompt, exclude=tried)
+            rep = router.pick(call.model, call.prompt, exclude=tried, key=call.key)
         except NoReplica as exc:
             # Turned away with no replica to try: the call still reached the proxy, so it is
             # recorded (upstream null) and counted.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ModelNotFound, NoReplica
+from proxy.ring import HashRing
 from shared.settings import RoutingSettings, UpstreamSettings
 
 log = logging.getLogger("scepsy.proxy.router")
@@ -56,6 +57,14 @@ class Replica:
             "served": self.served,
             "has_api_key": self.api_key is not None,
         }
+
+
+def _url(rep: Replica) -> str:
+    return rep.url
+
+
+def _in_flight(rep: Replica) -> float:
+    return rep.in_flight
 
 
 class PrefixTable:
@@ -121,6 +130,7 @@ class Router:
         self._pools: dict[str, list[Replica]] = {}
         self._draining: list[Replica] = []
         self._prefixes: dict[str, PrefixTable] = {}
+        self._rings: dict[str, HashRing] = {}
         self.version = 0
         self.replace(upstreams)
 
@@ -151,6 +161,10 @@ class Router:
                 self._draining.append(rep)
         self._pools = pools
         self._prefixes = {m: t for m, t in self._prefixes.items() if m in pools}
+        self._rings = {
+            m: HashRing((r.url for r in pool), self.settings.hash_vnodes)
+            for m, pool in pools.items()
+        }
         self.version += 1
         return removed
 
@@ -159,8 +173,15 @@ class Router:
 
     # --- choosing ----------------------------------------------------------------------
     def pick(
-        self, model: str, prompt: str | None = None, exclude: Sequence[Replica] = ()
+        self,
+        model: str,
+        prompt: str | None = None,
+        exclude: Sequence[Replica] = (),
+        key: str | None = None,
     ) -> Replica:
+        """The replica for one call. ``prompt`` is its text (``prefix_affinity``), ``key`` its
+        affinity key (``consistent_hash``: :func:`proxy.ring.affinity_key`); ``exclude`` the
+        replicas this call already tried."""
         pool = self._pools.get(model)
         if not pool:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
@@ -173,6 +194,10 @@ class Router:
             chosen = self._pick_affine(table, keys, live)
             table.remember(keys, chosen.url)
             return chosen
+        if self.settings.policy == "consistent_hash" and key is not None and len(live) > 1:
+            return self._rings[model].choose(
+                key, live, _url, _in_flight, self.settings.hash_load_factor
+            )
         if len(live) == 1:
             return live[0]
         a, b = self._rng.sample(live, 2)

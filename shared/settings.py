@@ -14,7 +14,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from shared.cluster import ClusterSettings
@@ -100,14 +100,33 @@ class UpstreamSettings:
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
+RoutingPolicy = Literal["least_outstanding", "prefix_affinity", "consistent_hash"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
+
+
 @dataclass(frozen=True)
 class RoutingSettings:
     """How a call picks one of its model's replicas."""
 
-    policy: Literal["least_outstanding", "prefix_affinity"] = setting(
+    policy: RoutingPolicy = setting(
         "least_outstanding",
         doc="least_outstanding: power of two choices on in-flight calls; prefix_affinity: "
-        "calls sharing a prompt prefix go to the replica that saw it",
+        "calls sharing a prompt prefix go to the replica this process saw it on; "
+        "consistent_hash: a workflow request's calls (else calls whose prompts begin alike) go "
+        "to one replica by consistent hashing with bounded load, the same replica in every "
+        "proxy process and worker",
+    )
+    hash_load_factor: float = setting(
+        1.25,
+        doc="consistent_hash: a replica takes no more than this times the mean in-flight "
+        "calls; a key whose replica is over it spills to the next replica on the ring",
+    )
+    hash_key_chars: int = setting(
+        256,
+        doc="consistent_hash: prompt characters a call without a workflow request id is hashed on",
+    )
+    hash_vnodes: int = setting(
+        128, doc="consistent_hash: points per replica on the ring (more: keys spread evenly)"
     )
     max_prefix_chars: int = setting(
         8192, doc="prompt characters considered for prefix affinity (the rest is ignored)"
@@ -155,11 +174,15 @@ class RoutingSettings:
             "prefix_block_chars",
             "affinity_entries",
             "eject_after_failures",
+            "hash_key_chars",
+            "hash_vnodes",
         ):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")
         if not 0.0 <= self.affinity_min_match <= 1.0:
             raise SettingsError("affinity_min_match", "must be between 0 and 1")
+        if not self.hash_load_factor > 1.0:
+            raise SettingsError("hash_load_factor", "must be greater than 1")
         if self.affinity_slack < 0:
             raise SettingsError("affinity_slack", "must not be negative")
         if self.affinity_load_ratio < 0:

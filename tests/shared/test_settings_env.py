@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.settings import Settings, SettingsError, describe, load_settings, settings_from_mapping
+from shared.settings import (
+    ROUTING_POLICIES,
+    Settings,
+    SettingsError,
+    describe,
+    load_settings,
+    settings_from_mapping,
+)
 from shared.settings_schema import env_reference, resolve_env
 
 NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,30}", fullmatch=True)
@@ -113,7 +120,8 @@ def test_help_rows_carry_type_and_default() -> None:
     assert rows["proxy.admin_token"].default == "null"
     assert rows["proxy.client_keys"].type == "list[str]"
     assert rows["proxy.upstreams[].url"].default == "(required)"
-    assert rows["proxy.routing.policy"].type == "least_outstanding | prefix_affinity"
+    assert rows["proxy.routing.policy"].type == " | ".join(ROUTING_POLICIES)
+    assert "consistent_hash" in ROUTING_POLICIES
     assert rows["proxy.access_log"].default == "false"
     assert rows["proxy.metrics_max_workflows"].default == "50"
     assert "os.environ/NAME" in rows["proxy.admin_token"].doc
