@@ -7,17 +7,15 @@ the error boundary's runner (``proxy.boundary``). Handlers live in those modules
 keys in ``proxy.keys``: this module only assembles.
 
 Invariants:
-- all state hangs off ``web.AppKey``s; background work (recorder, health prober, the client
-  sessions) is started and stopped by ``cleanup_ctx``, in an order that lets shutdown drain
-  in-flight calls first and flush their records last;
+- all state hangs off ``web.AppKey``s; background work (recorder, the client sessions, the
+  watchers of ``proxy.watchers``) is started and stopped by ``cleanup_ctx``, in an order that
+  lets shutdown drain in-flight calls first and flush their records last;
 - every error a client gets passes ``proxy.boundary`` (its middleware wraps every route);
 - the proxy never waits for the control plane: it serves with the routes it was last given.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -29,9 +27,10 @@ from proxy.boundary import ProxyRunner, error_middleware
 from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, ROUTES, SESSION, SETTINGS, UPSTREAM
 from proxy.metrics import AccessLoggingMetrics, ProxyMetrics
 from proxy.recorder import Recorder
-from proxy.router import Replica, Router
+from proxy.router import Router
 from proxy.routes import Routes
 from proxy.upstream import UpstreamClient, tls_context
+from proxy.watchers import prober_ctx, scraper_ctx
 from shared.settings import Settings
 
 log = logging.getLogger("scepsy.proxy")
@@ -69,36 +68,6 @@ async def _recorder_ctx(app: web.Application) -> AsyncIterator[None]:
     log.info("recorder closed: %d written, %d dropped", recorder.written, recorder.dropped)
 
 
-async def _probe(session: aiohttp.ClientSession, rep: Replica, limit_s: float) -> bool:
-    try:
-        async with session.get(
-            f"{rep.url}/health", timeout=aiohttp.ClientTimeout(total=limit_s)
-        ) as r:
-            return r.status == 200
-    except (aiohttp.ClientError, TimeoutError):
-        return False
-
-
-async def _prober_ctx(app: web.Application) -> AsyncIterator[None]:
-    router, session = app[ROUTER], app[SESSION]
-    interval = app[SETTINGS].proxy.routing.probe_interval_s
-
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(min(interval, 1.0))
-            due = router.due_probes()
-            if due:
-                results = await asyncio.gather(*(_probe(session, r, interval) for r in due))
-                for rep, ok in zip(due, results, strict=True):
-                    router.probe_result(rep, ok)  # logs the re-admission
-
-    task = asyncio.create_task(loop(), name="scepsy-prober")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 def _named_workflows(settings: Settings) -> set[str]:
     """Workflows the settings name: they always get a metrics label of their own."""
     rollout = settings.rollout
@@ -134,8 +103,8 @@ def make_app(settings: Settings) -> web.Application:
         known_workflows=_named_workflows(settings),
     )
     # Order matters: started first, stopped last. The recorder outlives the session and the
-    # prober, so records of calls cut at shutdown are still written.
-    app.cleanup_ctx.extend([_recorder_ctx, _session_ctx, _prober_ctx])
+    # watchers, so records of calls cut at shutdown are still written.
+    app.cleanup_ctx.extend([_recorder_ctx, _session_ctx, prober_ctx, scraper_ctx])
     for module in (health, models, admin, forward):  # forward's catch-all POST comes last
         app.add_routes(module.routes)
     return app

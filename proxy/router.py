@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from typing import Any
 
 from proxy.errors import ModelNotFound, NoReplica
 from proxy.ring import HashRing
+from shared.engine_load import EngineLoad
 from shared.settings import RoutingSettings, UpstreamSettings
 
 log = logging.getLogger("scepsy.proxy.router")
@@ -42,6 +44,9 @@ class Replica:
     retry_at: float = 0.0  # monotonic time of the next /health probe while ejected
     draining: bool = False
     served: int = 0
+    engine: EngineLoad | None = None  # the engine's own figures at the last scrape
+    scraped_at: float = -math.inf  # monotonic time of that scrape
+    in_flight_at_scrape: int = 0  # this proxy's calls on it then (the engine counted them)
 
     @property
     def active(self) -> bool:
@@ -56,15 +61,18 @@ class Replica:
             "in_flight": self.in_flight,
             "served": self.served,
             "has_api_key": self.api_key is not None,
+            "engine": None
+            if self.engine is None
+            else {
+                "running": self.engine.running,
+                "waiting": self.engine.waiting,
+                "kv_usage": self.engine.kv_usage,
+            },
         }
 
 
 def _url(rep: Replica) -> str:
     return rep.url
-
-
-def _in_flight(rep: Replica) -> float:
-    return rep.in_flight
 
 
 class PrefixTable:
@@ -196,12 +204,12 @@ class Router:
             return chosen
         if self.settings.policy == "consistent_hash" and key is not None and len(live) > 1:
             return self._rings[model].choose(
-                key, live, _url, _in_flight, self.settings.hash_load_factor
+                key, live, _url, self.load, self.settings.hash_load_factor
             )
         if len(live) == 1:
             return live[0]
         a, b = self._rng.sample(live, 2)
-        return a if a.in_flight <= b.in_flight else b
+        return a if self.load(a) <= self.load(b) else b
 
     def _table(self, model: str) -> PrefixTable:
         table = self._prefixes.get(model)
@@ -212,20 +220,45 @@ class Router:
         return table
 
     def _pick_affine(self, table: PrefixTable, keys: list[int], live: list[Replica]) -> Replica:
-        least = min(live, key=lambda r: (r.in_flight, self._rng.random()))
+        least = min(live, key=lambda r: (self.load(r), self._rng.random()))
         urls, matched = table.longest(keys, {r.url for r in live})
         if not urls or matched / len(keys) < self.settings.affinity_min_match:
             return least
         # Among the replicas holding the longest prefix, the least loaded: a shared prefix
         # spreads, a request's own continuation (held by one replica) sticks.
         preferred = min(
-            (r for r in live if r.url in urls), key=lambda r: (r.in_flight, self._rng.random())
+            (r for r in live if r.url in urls), key=lambda r: (self.load(r), self._rng.random())
         )
         return (
             preferred
-            if self.settings.keeps_affinity(preferred.in_flight, least.in_flight)
+            if self.settings.keeps_affinity(self.load(preferred), self.load(least))
             else least
         )
+
+    # --- load ----------------------------------------------------------------------------
+    def load(self, rep: Replica) -> float:
+        """The calls a new one would find ahead of it on ``rep``: this proxy's in flight there,
+        plus what the engine reported beyond them at its last scrape (other proxies' and
+        workers' calls, its queue), plus one batch more when its KV cache is full (a new call
+        waits for a running one to end). A scrape older than ``engine_stale_s``, or none,
+        leaves the local count alone."""
+        engine = rep.engine
+        if engine is None or self._clock() - rep.scraped_at > self.settings.engine_stale_s:
+            return float(rep.in_flight)
+        others = max(0.0, engine.calls - rep.in_flight_at_scrape)
+        full = engine.kv_usage is not None and engine.kv_usage >= self.settings.engine_kv_full
+        return rep.in_flight + others + (engine.running if full else 0.0)
+
+    def scrape_targets(self) -> list[Replica]:
+        """Replicas whose engine load is worth reading: those new calls may go to."""
+        return [r for pool in self._pools.values() for r in pool if r.active]
+
+    def scraped(self, rep: Replica, engine: EngineLoad | None) -> None:
+        """Record one scrape of ``rep``'s engine (``None``: it failed or named no load, and
+        the last figures age out)."""
+        if engine is None:
+            return
+        rep.engine, rep.scraped_at, rep.in_flight_at_scrape = engine, self._clock(), rep.in_flight
 
     def has_alternative(self, model: str, tried: Sequence[Replica]) -> bool:
         """Whether an active replica of ``model`` is left that ``tried`` does not hold."""

@@ -162,7 +162,22 @@ class RoutingSettings:
         1.0, doc="how often an ejected replica's /health is probed once its ejection has passed"
     )
 
-    def keeps_affinity(self, preferred_in_flight: int, least_in_flight: int) -> bool:
+    engine_scrape_s: float = setting(
+        1.0,
+        doc="how often each replica's /metrics is read for its running and waiting calls and "
+        "KV-cache use (vLLM and SGLang names), which every policy adds to this proxy's own "
+        "in-flight counts, so several proxies and workers see one another's load; 0: off",
+    )
+    engine_stale_s: float = setting(
+        3.0, doc="an engine's scraped load older than this is ignored (local counts only)"
+    )
+    engine_kv_full: float = setting(
+        0.95,
+        doc="an engine whose KV cache is at least this full counts its running calls twice: a "
+        "new call waits for one of them to end",
+    )
+
+    def keeps_affinity(self, preferred_in_flight: float, least_in_flight: float) -> bool:
         """Whether a call follows its prefix to the preferred replica rather than falling
         back to the least-loaded one: the proxy's rule, which the simulator's router shares."""
         allowed = max(self.affinity_slack, self.affinity_load_ratio * least_in_flight)
@@ -181,6 +196,12 @@ class RoutingSettings:
                 raise SettingsError(key, "must be at least 1")
         if not 0.0 <= self.affinity_min_match <= 1.0:
             raise SettingsError("affinity_min_match", "must be between 0 and 1")
+        if not 0.0 <= self.engine_scrape_s <= 3600.0:
+            raise SettingsError("engine_scrape_s", "must be between 0 and 3600 seconds")
+        if not self.engine_stale_s > 0.0:
+            raise SettingsError("engine_stale_s", "must be positive")
+        if not 0.0 < self.engine_kv_full <= 1.0:
+            raise SettingsError("engine_kv_full", "must be in (0, 1]")
         if not self.hash_load_factor > 1.0:
             raise SettingsError("hash_load_factor", "must be greater than 1")
         if self.affinity_slack < 0:

@@ -72,6 +72,7 @@ from optimizer.profiling.window import (
     summarise_point,
     tapered_rate,
 )
+from shared.engine_load import first_samples
 from shared.profile_points import ProfilePoint
 
 LAG_LIMIT = 0.05  # an emulator whose clock lagged more during a point read it pessimistic
@@ -482,7 +483,7 @@ def _verdict(
 
 
 async def engine_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The unlabelled-by-us samples of ``/metrics`` (first sample per name); {} if none.
+    """The samples of ``/metrics`` (first sample per name, labels dropped); {} if none.
     Emulators report ``scepsy_emulator_speedup``, ``..._clock_lag_ratio``,
     ``..._model_busy_seconds_total``; real engines report none of them."""
     try:
@@ -492,16 +493,7 @@ async def engine_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, 
             text = await r.text()
     except (aiohttp.ClientError, TimeoutError):
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.partition("{")[0]
-        value = line.rsplit(" ", 1)[-1]
-        name = name.split(" ", 1)[0]
-        with contextlib.suppress(ValueError):
-            out.setdefault(name, float(value))
-    return out
+    return first_samples(text)
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:

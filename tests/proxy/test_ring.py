@@ -167,11 +167,13 @@ def test_the_router_skips_ejected_and_tried_replicas_and_spreads_a_hot_request()
 
 
 def test_keyless_calls_fall_back_to_least_outstanding() -> None:
-    r = _router(2)
-    busy = r.pick("m")
-    for _ in range(5):
-        r.acquire(busy)
-    assert all(r.pick("m") is not busy for _ in range(20))
+    r = _router(3)
+    key = affinity_key("beam", None, None, 256)
+    assert key is None
+    for _ in range(60):
+        r.acquire(r.pick("m", key=key))
+    loads = sorted(rep.in_flight for rep in r.replicas())
+    assert loads[-1] - loads[0] <= 2
 
 
 async def test_two_proxies_route_each_workflow_request_to_one_engine(

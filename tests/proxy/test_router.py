@@ -8,6 +8,7 @@ import pytest
 
 from proxy.errors import ModelNotFound, NoReplica
 from proxy.router import Router
+from shared.engine_load import EngineLoad
 from shared.settings import RoutingSettings, UpstreamSettings
 
 
@@ -137,3 +138,25 @@ def test_replace_keeps_state_and_drains_removed() -> None:
     assert all(r.pick("m") is not a for _ in range(20))
     r.release(a)
     assert a not in r.replicas()
+
+
+def test_an_engine_reported_queue_counts_until_it_is_stale() -> None:
+    clock = [0.0]
+    r = _router(2, clock=clock, engine_stale_s=3.0)
+    a, b = r.replicas()
+    r.acquire(a)
+    # a's engine holds our one call and 9 from other proxies; b's engine is idle
+    r.scraped(a, EngineLoad(running=6.0, waiting=4.0, kv_usage=0.2))
+    r.scraped(b, EngineLoad(running=0.0, waiting=0.0, kv_usage=0.0))
+    assert r.load(a) == 10.0 and r.load(b) == 0.0
+    assert all(r.pick("m") is b for _ in range(20))
+    r.scraped(a, None)  # a failed scrape keeps the last figures until they are stale
+    clock[0] = 3.5
+    assert r.load(a) == 1.0  # local counts only
+
+
+def test_a_full_kv_cache_counts_its_running_batch_again() -> None:
+    r = _router(2)
+    a, _ = r.replicas()
+    r.scraped(a, EngineLoad(running=4.0, waiting=0.0, kv_usage=0.99))
+    assert r.load(a) == 8.0
