@@ -139,6 +139,7 @@ class Router:
         self._draining: list[Replica] = []
         self._prefixes: dict[str, PrefixTable] = {}
         self._rings: dict[str, HashRing] = {}
+        self._turn = 0  # round_robin's counter
         self.version = 0
         self.replace(upstreams)
 
@@ -208,6 +209,9 @@ class Router:
             )
         if len(live) == 1:
             return live[0]
+        if self.settings.policy == "round_robin":
+            self._turn += 1
+            return live[self._turn % len(live)]
         a, b = self._rng.sample(live, 2)
         return a if self.load(a) <= self.load(b) else b
 

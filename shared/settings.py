@@ -100,7 +100,7 @@ class UpstreamSettings:
         object.__setattr__(self, "url", self.url.rstrip("/"))
 
 
-RoutingPolicy = Literal["least_outstanding", "prefix_affinity", "consistent_hash"]
+RoutingPolicy = Literal["least_outstanding", "round_robin", "prefix_affinity", "consistent_hash"]
 ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
 
 
@@ -110,7 +110,8 @@ class RoutingSettings:
 
     policy: RoutingPolicy = setting(
         "least_outstanding",
-        doc="least_outstanding: power of two choices on in-flight calls; prefix_affinity: "
+        doc="least_outstanding: power of two choices on in-flight calls; round_robin: each "
+        "replica in turn, load ignored; prefix_affinity: "
         "calls sharing a prompt prefix go to the replica this process saw it on; "
         "consistent_hash: a workflow request's calls (else calls whose prompts begin alike) go "
         "to one replica by consistent hashing with bounded load, the same replica in every "

@@ -160,3 +160,12 @@ def test_a_full_kv_cache_counts_its_running_batch_again() -> None:
     a, _ = r.replicas()
     r.scraped(a, EngineLoad(running=4.0, waiting=0.0, kv_usage=0.99))
     assert r.load(a) == 8.0
+
+
+def test_round_robin_takes_each_replica_in_turn_whatever_its_load() -> None:
+    r = _router(3, policy="round_robin")
+    first = r.pick("m")
+    for _ in range(9):
+        r.acquire(first)
+    picks = [r.pick("m").url for _ in range(6)]
+    assert sorted(picks) == sorted(["http://r0", "http://r1", "http://r2"] * 2)
