@@ -2,7 +2,9 @@
 
 Role: ``GET /admin/routes`` shows every replica with its state; ``PUT /admin/routes`` with
 ``{"upstreams": [{"model", "url", "api_key"?}, ...]}`` (the settings file's shape) installs a
-new table atomically. Replicas no longer listed drain: no new calls, in-flight ones finish.
+new table atomically: with several workers (``proxy.workers``) in every worker, before the
+answer (:mod:`proxy.siblings`; 503 if that cannot be confirmed). Replicas no longer listed
+drain: no new calls, in-flight ones finish.
 Both are in :data:`routes`; their errors are raised and answered by ``proxy.boundary``.
 
 Invariants: with no ``admin_token`` in settings the API answers 404 (it does not exist); a wrong
@@ -20,8 +22,9 @@ from collections import Counter
 import orjson
 from aiohttp import web
 
-from proxy.errors import BadRequest, RouteNotFound, Unauthorized
-from proxy.keys import ROUTER, SETTINGS
+from proxy.errors import BadRequest, RouteNotFound, ServiceUnavailable, Unauthorized
+from proxy.keys import ROUTER, SETTINGS, SIBLINGS
+from proxy.siblings import SiblingsDown
 from shared.settings import ProxySettings, UpstreamSettings
 from shared.settings_schema import SettingsError, decode
 
@@ -39,16 +42,22 @@ def _authorise(request: web.Request) -> None:
         raise Unauthorized("Missing or wrong admin token.")
 
 
-def _respond(request: web.Request) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(request.app[ROUTER].snapshot()), content_type="application/json"
-    )
+async def _respond(request: web.Request) -> web.Response:
+    siblings = request.app.get(SIBLINGS)
+    if siblings is None:
+        view = request.app[ROUTER].snapshot()
+    else:
+        try:
+            view = await siblings.routes()  # every worker's calls summed
+        except SiblingsDown as exc:
+            raise ServiceUnavailable(f"Routes of every worker unavailable: {exc}.") from exc
+    return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 
 @routes.get("/admin/routes")
 async def get_routes(request: web.Request) -> web.Response:
     _authorise(request)
-    return _respond(request)
+    return await _respond(request)
 
 
 def parse_routes(data: object) -> tuple[UpstreamSettings, ...]:
@@ -70,7 +79,20 @@ async def put_routes(request: web.Request) -> web.Response:
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"Body is not valid JSON: {exc.msg}.") from exc
     upstreams = parse_routes(data)
-    router = request.app[ROUTER]
+    siblings = request.app.get(SIBLINGS)
+    if siblings is None:
+        install(request.app, upstreams)
+    else:
+        try:
+            await siblings.swap_routes(upstreams)  # every worker, this one included
+        except SiblingsDown as exc:
+            raise ServiceUnavailable(f"Routes not changed everywhere: {exc}.") from exc
+    return await _respond(request)
+
+
+def install(app: web.Application, upstreams: tuple[UpstreamSettings, ...]) -> None:
+    """Install ``upstreams`` as this process's route table, and log the change."""
+    router = app[ROUTER]
     before = Counter(r.model for r in router.replicas() if not r.draining)
     old = {(r.model, r.url) for r in router.replicas() if not r.draining}
     router.replace(upstreams)
@@ -95,4 +117,3 @@ async def put_routes(request: web.Request) -> web.Response:
             "routes_version": router.version,
         },
     )
-    return _respond(request)

@@ -1,7 +1,8 @@
 """``scepsy-proxy``: run the proxy from a settings file or from command-line flags.
 
-Role: the process edge: parse arguments into :class:`shared.settings.Settings`, serve the app,
-turn SIGTERM/SIGINT into a graceful shutdown (stop accepting, let in-flight calls finish for
+Role: the process edge: parse arguments into :class:`shared.settings.Settings`, serve the app
+(in this process, or in ``proxy.workers`` worker processes: :func:`worker_main` is each one's
+life), turn SIGTERM/SIGINT into a graceful shutdown (stop accepting, let in-flight calls finish for
 ``proxy.shutdown_grace_s``, flush the recorder), and report bad settings as one line naming
 the key, exit status 2, no traceback.
 """
@@ -10,15 +11,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
 
+from proxy.admin import install
 from proxy.app import make_app, make_runner
+from proxy.keys import METRICS, ROUTER, SIBLINGS
+from proxy.siblings import Siblings
+from proxy.workers import run_workers
 from shared import logs
 from shared.settings import (
     ROUTING_POLICIES,
@@ -29,7 +36,7 @@ from shared.settings import (
     parse_host_port,
     settings_from_mapping,
 )
-from shared.settings_schema import ENV_HELP
+from shared.settings_schema import ENV_HELP, document
 from shared.version import add_version_argument
 
 # uvloop where installed (the proxy's loop is its hot path), else asyncio's own.
@@ -91,15 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def _merge(base: Settings, proxy: dict[str, object], args: argparse.Namespace) -> Settings:
     """Overlay flags on the file's settings and validate the result as one document."""
 
-    def plain(obj: object) -> object:
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        if isinstance(obj, tuple):
-            return [plain(x) for x in obj]
-        return obj
-
-    doc = plain(base)
-    assert isinstance(doc, dict)
+    doc = document(base)
     doc["proxy"].update(proxy)
     if args.routing:
         doc["proxy"]["routing"]["policy"] = args.routing
@@ -110,14 +109,20 @@ def _merge(base: Settings, proxy: dict[str, object], args: argparse.Namespace) -
     return settings_from_mapping(doc, env=None)
 
 
-async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
-    app = make_app(settings)
-    s = settings.proxy
-    host, port = parse_host_port(s.listen, "proxy.listen")
+async def listen(app: web.Application, host: str, port: int, *, reuse_port: bool) -> web.AppRunner:
+    """Serve ``app`` on ``host:port``; the runner's ``addresses`` name the bound port."""
     runner = make_runner(app)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True, reuse_port=reuse_port)
     await site.start()
+    return runner
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    """One process serving the proxy until SIGTERM or SIGINT."""
+    app = make_app(settings)
+    host, port = parse_host_port(settings.proxy.listen, "proxy.listen")
+    runner = await listen(app, host, port, reuse_port=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -137,6 +142,47 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         await runner.cleanup()
 
 
+def worker_main(
+    doc: dict[str, Any], index: int, port: int, conn: Connection, log_setup: tuple[str, str]
+) -> None:
+    """A worker process's entry (the supervisor's spawn target, :mod:`proxy.workers`): ``doc``
+    is the settings document (:func:`shared.settings_schema.document`), ``port`` the one the
+    supervisor reserved, ``conn`` this worker's end of its pipe."""
+    level, fmt = log_setup
+    logs.configure(level, "json" if fmt == "json" else "text")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor stops us in order
+    settings = settings_from_mapping(doc, env=None)
+    with asyncio.Runner(loop_factory=_UVLOOP) as runner:
+        runner.run(_serve_worker(settings, index, port, conn))
+
+
+async def _serve_worker(settings: Settings, index: int, port: int, conn: Connection) -> None:
+    app = make_app(settings)
+    siblings = Siblings(
+        conn,
+        install=lambda ups: install(app, ups),
+        expose=lambda: generate_latest(app[METRICS].registry),
+        snapshot=app[ROUTER].snapshot,
+    )
+    app[SIBLINGS] = siblings
+    host, _ = parse_host_port(settings.proxy.listen, "proxy.listen")
+    runner = await listen(app, host, port, reuse_port=True)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, siblings.stop_asked.set)
+    siblings.start()
+    siblings.send("ready", 0)
+    ended = [asyncio.ensure_future(e.wait()) for e in (siblings.stop_asked, siblings.parent_gone)]
+    try:
+        await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in ended:
+            task.cancel()
+        logging.getLogger("scepsy.proxy").info(
+            "worker %d shutting down: draining in-flight calls", index
+        )
+        await runner.cleanup()
+        siblings.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.help_settings:
@@ -151,7 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"scepsy-proxy: bad settings: {exc}", file=sys.stderr)
         return 2
+    workers = settings.proxy.resolved_workers
     try:
+        if workers > 1:
+            log_setup = (args.log_level or "INFO", args.log_format or "text")
+            return run_workers(settings, workers, worker_main, log_setup)
         with asyncio.Runner(loop_factory=_UVLOOP) as runner:
             runner.run(serve(settings))
     except OSError as exc:

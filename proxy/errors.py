@@ -80,3 +80,9 @@ class UpstreamFailed(ProxyError):
 
 class UpstreamTimeout(ProxyError):
     status, type, code = 504, "timeout", "upstream_timeout"
+
+
+class ServiceUnavailable(ProxyError):
+    """The proxy itself cannot do what was asked right now (its workers' supervisor is gone)."""
+
+    status, type, code = 503, "service_unavailable", "service_unavailable"

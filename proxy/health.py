@@ -8,7 +8,8 @@ Role: the read-only ``GET`` routes a deployment probes and scrapes, in :data:`ro
   a file now), else 503 with ``reasons``;
 - ``/health`` is kept as it was (always 200, with models and routes version) for existing
   probes and scripts; new deployments should probe the two above;
-- ``/metrics`` is the proxy's Prometheus registry in the text exposition format.
+- ``/metrics`` is the proxy's Prometheus registry in the text exposition format (with
+  several workers, every worker's summed: ``proxy.metrics.merge_expositions``).
 
 Invariants: none of these calls an upstream or waits for the control plane; readiness checks
 the store folder off the event loop.
@@ -22,7 +23,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, SETTINGS
+from proxy.errors import ServiceUnavailable
+from proxy.keys import METRICS, PROXY_ID, RECORDER, ROUTER, SETTINGS, SIBLINGS
+from proxy.siblings import SiblingsDown
 
 routes = web.RouteTableDef()
 
@@ -80,5 +83,12 @@ async def health_ready(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    siblings = request.app.get(SIBLINGS)
+    if siblings is None:
+        body = generate_latest(request.app[METRICS].registry)
+    else:
+        try:
+            body = await siblings.metrics()  # every worker's, summed
+        except SiblingsDown as exc:
+            raise ServiceUnavailable(f"Metrics of every worker unavailable: {exc}.") from exc
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -18,10 +18,21 @@ from proxy.metrics import ProxyMetrics
 from proxy.recorder import Recorder
 from proxy.router import Router
 from proxy.routes import Routes
+from proxy.siblings import Siblings
 from proxy.upstream import UpstreamClient
 from shared.settings import Settings
 
-__all__ = ["METRICS", "PROXY_ID", "RECORDER", "ROUTER", "ROUTES", "SESSION", "SETTINGS", "UPSTREAM"]
+__all__ = [
+    "METRICS",
+    "PROXY_ID",
+    "RECORDER",
+    "ROUTER",
+    "ROUTES",
+    "SESSION",
+    "SETTINGS",
+    "SIBLINGS",
+    "UPSTREAM",
+]
 
 SETTINGS = web.AppKey("settings", Settings)
 ROUTER = web.AppKey("router", Router)
@@ -31,3 +42,5 @@ METRICS = web.AppKey("metrics", ProxyMetrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)  # health probes and /v1/models
 UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the engine calls: the hot path
 PROXY_ID = web.AppKey("proxy_id", str)
+# the line to the other workers (only with proxy.workers > 1)
+SIBLINGS = web.AppKey("siblings", Siblings)

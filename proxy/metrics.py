@@ -23,6 +23,7 @@ exposition could not encode) and cut to :data:`MAX_LABEL_CHARS`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -268,3 +269,59 @@ class AccessLoggingMetrics(ProxyMetrics):
                 "duration_ms": duration_ms,
             },
         )
+
+
+# Families whose samples every worker reports alike (the route table's replica counts): merged
+# by maximum, not summed. ``*_created`` samples (a series' start time) merge by minimum.
+_SAME_IN_EVERY_WORKER = frozenset({names.PROXY_REPLICAS})
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def merge_expositions(pages: Iterable[bytes]) -> bytes:
+    """Several workers' ``/metrics`` pages as one: each series' samples summed (counters,
+    histograms, in-flight and queue gauges are per-worker shares of one total), except the
+    families in ``_SAME_IN_EVERY_WORKER`` (maximum) and ``*_created`` (minimum). Families keep
+    the order and HELP/TYPE lines of their first appearance; a worker's workflow-label bound
+    is its own, so the merged page may hold up to workers x ``max_workflows`` names."""
+    families: dict[str, tuple[list[str], dict[str, float]]] = {}
+    for page in pages:
+        family = ""
+        for line in page.decode("utf-8", "replace").splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split(" ", 3)[2]
+                headers, _ = families.setdefault(family, ([], {}))
+                if line not in headers and len(headers) < 2:
+                    headers.append(line)
+                continue
+            if not line or line.startswith("#"):
+                continue
+            close = line.rfind("}")
+            cut = line.find(" ", close + 1 if close >= 0 else 0)
+            if cut < 0:
+                continue
+            key, value_text = line[:cut], line[cut + 1 :].split(" ", 1)[0]
+            try:
+                value = float(value_text)
+            except ValueError:
+                continue
+            samples = families.setdefault(family, ([], {}))[1]
+            if key not in samples:
+                samples[key] = value
+            elif key.partition("{")[0].endswith("_created"):
+                samples[key] = min(samples[key], value)
+            elif family in _SAME_IN_EVERY_WORKER:
+                samples[key] = max(samples[key], value)
+            else:
+                samples[key] += value
+    out: list[str] = []
+    for headers, samples in families.values():
+        out.extend(headers)
+        out.extend(f"{key} {_number(value)}" for key, value in samples.items())
+    return ("\n".join(out) + "\n").encode()

@@ -266,6 +266,12 @@ class ProxySettings:
         factory=tuple, doc="engine replicas; several entries for one model are its replicas"
     )
     routing: RoutingSettings = setting(factory=RoutingSettings, doc="replica choice")
+    workers: int | None = setting(
+        None,
+        doc="processes serving the listen address (SO_REUSEPORT; each records its own "
+        "segments as <proxy_id>-w<i>; admin route changes reach all, /metrics sums all); "
+        "null: one per core this process may run on",
+    )
     admin_token: str | None = setting(
         None,
         doc="bearer token for /admin/routes (null: the admin API is disabled); "
@@ -337,6 +343,8 @@ class ProxySettings:
         for key in ("client_header_timeout_s", "client_body_timeout_s"):
             if not 0 < getattr(self, key) < 86400:
                 raise SettingsError(key, "must be positive and under a day")
+        if self.workers is not None and not 1 <= self.workers <= 256:
+            raise SettingsError("workers", "must be between 1 and 256")
         if self.identity_max_chars < 16:
             raise SettingsError("identity_max_chars", "must be at least 16")
         for i, route in enumerate(self.extra_routes):
@@ -352,6 +360,16 @@ class ProxySettings:
     @property
     def resolved_proxy_id(self) -> str:
         return self.proxy_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def resolved_workers(self) -> int:
+        """``workers``, or the cores this process may run on."""
+        if self.workers is not None:
+            return self.workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - not on Linux
+            return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,19 @@ def decode(cls: type[T], data: Any, path: str = "", env: Mapping[str, str] | Non
         raise exc.under(path) from None
 
 
+def document(obj: Any) -> Any:
+    """The plain mapping :func:`decode` builds ``obj`` back from (dataclasses → dicts, tuples
+    → lists, mappings → dicts): a settings object as a YAML document, to overlay or to hand to
+    another process. Values are already resolved: decode the result with ``env=None``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: document(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, tuple | list):
+        return [document(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: document(v) for k, v in obj.items()}
+    return obj
+
+
 class SettingDoc(NamedTuple):
     """One row of ``--help-settings``."""
 

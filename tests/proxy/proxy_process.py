@@ -46,10 +46,13 @@ async def proxy_process(
     tmp_path: Path, upstream: str, settings: dict[str, Any]
 ) -> AsyncIterator[ProxyProcess]:
     """The proxy for model ``m`` at ``upstream``, store ``tmp_path/store``, default workflow
-    ``wf``, with ``settings`` as its --config file (the flags override it)."""
+    ``wf``, with ``settings`` as its --config file (the flags override it; ``proxy.workers``
+    is 1 unless ``settings`` names it)."""
     store = tmp_path / "store"
     config = tmp_path / "proxy.yaml"
-    config.write_text(yaml.safe_dump(settings))
+    # One process unless the test asks for workers: the fault tests kill the one that records.
+    doc = {**settings, "proxy": {"workers": 1, **settings.get("proxy", {})}}
+    config.write_text(yaml.safe_dump(doc))
     port = free_port()
     args = ["--config", str(config), "--listen", f"127.0.0.1:{port}"]
     args += ["--upstream", f"m={upstream}", "--store", str(store), "--workflow", "wf"]

@@ -1,4 +1,4 @@
-"""1,000 concurrent streams held open through one proxy process, with the real openai client.
+"""1,000 concurrent streams held open through one proxy (two workers), with the real openai client.
 
 The fake replica sends each stream's first token and then holds it (``hold`` mode) until the
 test has seen all 1,000 in flight at the proxy (``GET /admin/routes`` and the
@@ -69,7 +69,8 @@ async def _one(client: openai.AsyncOpenAI) -> str:
 async def test_thousand_concurrent_streams_are_held_and_recorded(tmp_path: Path) -> None:
     _raise_open_file_limit(2 * N + 512)
     fake = await FakeEngine(name="e", tokens=2).start(backlog=2 * N)
-    settings = {"proxy": {"admin_token": ADMIN, "proxy_id": "c1000"}}
+    # Two workers: the admin view and /metrics must count every worker's streams.
+    settings = {"proxy": {"admin_token": ADMIN, "proxy_id": "c1000", "workers": 2}}
     try:
         async with proxy_process(tmp_path, fake.url, settings) as proxy:
             clients = [
