@@ -52,12 +52,23 @@ ANSWER_S = 5.0  # longest the supervisor waits for one worker's answer
 
 
 def reserve(host: str, port: int) -> socket.socket:
-    """A bound, never listening socket holding ``host:port`` (0: any) for the workers."""
+    """A bound, never listening ``SO_REUSEPORT`` socket holding ``host:port`` (0: any) for the
+    workers. The address is first bound without ``SO_REUSEPORT``, so an address another
+    process holds fails here (``OSError``), even one whose holder also set ``SO_REUSEPORT``
+    (a second proxy on the same port would otherwise silently take half the connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from proxy.workers import merge_snapshots
 from shared import metric_names
 from shared.store import StoreReader
 from tests.proxy.conftest import EngineFactory
-from tests.proxy.proxy_process import ProxyProcess, proxy_process
+from tests.proxy.proxy_process import REPO, ProxyProcess, proxy_process
 
 ADMIN = "admin-secret"
 SETTINGS = {"proxy": {"admin_token": ADMIN, "proxy_id": "pw", "workers": 2}}
@@ -188,3 +189,32 @@ def test_merged_routes_sum_each_replicas_calls() -> None:
         {"model": "m", "url": "http://a", "state": "active", "in_flight": 7, "served": 20}
     ]
     assert merge_snapshots([]) == {"version": 0, "upstreams": []}
+
+
+@pytest.mark.timeout(60)
+async def test_a_second_proxy_on_a_taken_port_fails_instead_of_sharing_it(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    fake = await engine_factory(name="up")
+    (tmp_path / "a").mkdir()
+    async with proxy_process(tmp_path / "a", fake.url, SETTINGS) as first:
+        port = first.url.rsplit(":", 1)[1]
+        config = tmp_path / "second.yaml"
+        config.write_text(f"proxy: {{workers: 2, listen: '127.0.0.1:{port}'}}\n")
+        second = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "--config",
+            str(config),
+            "--upstream",
+            f"m={fake.url}",
+            "--store",
+            str(tmp_path / "store2"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=REPO,
+        )
+        out, err = await asyncio.wait_for(second.communicate(), 30)
+        assert second.returncode == 1, (out, err)
+        assert b"cannot listen on" in err
