@@ -14,8 +14,10 @@ import asyncio
 import logging
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -183,6 +185,19 @@ async def _serve_worker(settings: Settings, index: int, port: int, conn: Connect
         siblings.close()
 
 
+def _store_problem(path: str) -> str | None:
+    """Why the trace store folder cannot be created or written, or None: said once, before
+    any process serves (a recorder would otherwise fail in each worker)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        return f"cannot create or write {path}: {exc.strerror or exc}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.help_settings:
@@ -196,6 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except SettingsError as exc:
         print(f"scepsy-proxy: bad settings: {exc}", file=sys.stderr)
+        return 2
+    problem = _store_problem(settings.store.path)
+    if problem is not None:
+        print(f"scepsy-proxy: bad settings: store.path: {problem}", file=sys.stderr)
         return 2
     workers = settings.proxy.resolved_workers
     try:

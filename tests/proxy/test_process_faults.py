@@ -242,6 +242,14 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
     ({"proxy": {"upstreams": [{"model": "m", "url": "ftp://x"}]}}, "proxy.upstreams[0].url"),
     ({"store": {"flush_interval_s": "soon"}}, "store.flush_interval_s"),
     ({"proxy": {"upstreamz": []}}, "proxy.upstreamz"),
+    ({"proxy": {"workers": 0}}, "proxy.workers"),
+    (
+        {
+            "proxy": {"upstreams": [{"model": "m", "url": "http://127.0.0.1:9"}], "workers": 2},
+            "store": {"path": "/dev/null/store"},  # under a file: no folder can be made
+        },
+        "store.path",
+    ),
 ]
 
 
