@@ -15,6 +15,7 @@ import openai
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.errors import NoReplica
 from proxy.ring import HashRing, affinity_key, stable_hash
 from proxy.router import Router
 from shared.settings import RoutingSettings, UpstreamSettings
@@ -206,3 +207,44 @@ async def test_two_proxies_route_each_workflow_request_to_one_engine(
             served.setdefault(rid, set()).add(text.split(":")[0])
     assert all(len(names) == 1 for names in served.values()), served
     assert {n for names in served.values() for n in names} == {"e0", "e1", "e2"}
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["pick", "replace", "eject", "readmit", "release"]), st.integers(0, 7)
+        ),
+        max_size=80,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_consistent_hash_picks_only_active_replicas_through_any_route_changes(
+    ops: list[tuple[str, int]],
+) -> None:
+    r = _router(3)
+    held = []
+    for op, n in ops:
+        if op == "replace":
+            ups = [UpstreamSettings(model="m", url=u) for u in _urls(8)[n % 4 : n % 4 + 1 + n % 5]]
+            r.replace(ups)
+        elif op == "eject":
+            for _ in range(3):
+                r.failed(r.replicas()[n % len(r.replicas())])
+        elif op == "readmit":
+            for rep in r.replicas():
+                r.probe_result(rep, healthy=True)
+        elif op == "release" and held:
+            r.release(held.pop())
+        else:
+            live = [rep for rep in r.replicas() if rep.active]
+            try:
+                rep = r.pick("m", key=affinity_key("beam", f"q{n}", None, 256))
+            except NoReplica as exc:  # only when none is active
+                assert not live, exc
+                continue
+            assert rep.active and rep in live
+            r.acquire(rep)
+            held.append(rep)
+    while held:
+        r.release(held.pop())
+    assert all(rep.in_flight == 0 for rep in r.replicas())
