@@ -8,6 +8,7 @@ are immutable after loading, so they can be shared across tasks and threads free
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import ssl
@@ -98,6 +99,17 @@ class UpstreamSettings:
             # It goes out in a header: a line break would smuggle another one.
             raise SettingsError("api_key", "must be printable (no line breaks or controls)")
         object.__setattr__(self, "url", self.url.rstrip("/"))
+
+
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """The CPUs this process's cgroup (v2) may use per period (``"200000 100000"``: 2.0), or
+    None when it sets no quota (``max``) or the file is missing or unreadable."""
+    try:
+        with open(path) as f:
+            quota, _, period = f.read().strip().partition(" ")
+        return int(quota) / int(period or "100000") if quota != "max" else None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 RoutingPolicy = Literal["least_outstanding", "round_robin", "prefix_affinity", "consistent_hash"]
@@ -269,8 +281,9 @@ class ProxySettings:
     workers: int | None = setting(
         None,
         doc="processes serving the listen address (SO_REUSEPORT; each records its own "
-        "segments as <proxy_id>-w<i>; admin route changes reach all, /metrics sums all); "
-        "null: one per core this process may run on",
+        "segments as <proxy_id>-w<i>; admin route changes reach all, /metrics sums all; about "
+        "100 MB of memory each); null: one per core this process may run on (its CPU "
+        "affinity, bounded by a container's CPU limit)",
     )
     admin_token: str | None = setting(
         None,
@@ -363,13 +376,18 @@ class ProxySettings:
 
     @property
     def resolved_workers(self) -> int:
-        """``workers``, or the cores this process may run on."""
+        """``workers``, or the cores this process may run on: its CPU affinity, bounded by
+        its cgroup's CPU quota (a container's CPU limit), rounded up."""
         if self.workers is not None:
             return self.workers
         try:
-            return max(1, len(os.sched_getaffinity(0)))
+            cores = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not on Linux
-            return max(1, os.cpu_count() or 1)
+            cores = os.cpu_count() or 1
+        quota = cgroup_cpu_quota()
+        if quota is not None:
+            cores = min(cores, math.ceil(quota))
+        return max(1, cores)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ by the loader, and ``--help-settings`` rows with each key's type and default."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,10 @@ from hypothesis import strategies as st
 
 from shared.settings import (
     ROUTING_POLICIES,
+    ProxySettings,
     Settings,
     SettingsError,
+    cgroup_cpu_quota,
     describe,
     load_settings,
     settings_from_mapping,
@@ -125,3 +128,15 @@ def test_help_rows_carry_type_and_default() -> None:
     assert rows["proxy.access_log"].default == "false"
     assert rows["proxy.metrics_max_workflows"].default == "50"
     assert "os.environ/NAME" in rows["proxy.admin_token"].doc
+
+
+def test_default_workers_follow_the_cpu_affinity_and_a_container_quota(tmp_path: Path) -> None:
+    (tmp_path / "two").write_text("200000 100000\n")
+    (tmp_path / "none").write_text("max 100000\n")
+    (tmp_path / "junk").write_text("lots\n")
+    assert cgroup_cpu_quota(str(tmp_path / "two")) == 2.0
+    assert cgroup_cpu_quota(str(tmp_path / "none")) is None
+    assert cgroup_cpu_quota(str(tmp_path / "junk")) is None
+    assert cgroup_cpu_quota(str(tmp_path / "missing")) is None
+    assert ProxySettings(workers=3).resolved_workers == 3
+    assert 1 <= ProxySettings().resolved_workers <= len(os.sched_getaffinity(0))
