@@ -10,7 +10,10 @@ Invariants:
 - only requests that completed inside the measured window count; a warm-up run (same
   connections count, separate process for ``wrk``) precedes each measured one;
 - latencies are client-side wall times per request, in milliseconds, over the measured window;
-- an error is any non-200 answer or broken exchange; errors are counted, never timed.
+- an error is any non-200 answer or broken exchange; errors are counted, never timed;
+- a job's ``cpu_pid`` names a server; its CPU time is summed over that process and every
+  descendant (a supervisor and its workers), alive or reaped, and the host's busy share is
+  sampled over the same window.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class LoadResult:
     p99_ms: float
     mean_ms: float
     max_ms: float
-    server_cpu_s: float | None = None  # CPU time of the watched server over the window
+    server_cpu_s: float | None = None  # CPU time of the watched server's tree over the window
+    host_busy_pct: float | None = None  # share of all the host's CPUs busy over the window
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +75,7 @@ class StreamResult:
     stream_p50_ms: float
     stream_p99_ms: float
     server_cpu_s: float | None = None
+    host_busy_pct: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,7 +93,7 @@ class Job:
     warmup_s: float
     stream: bool = False
     headers: tuple[tuple[str, str], ...] = ()
-    cpu_pid: int | None = None  # a process whose CPU time over the window is reported
+    cpu_pid: int | None = None  # a process whose tree's CPU time over the window is reported
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,16 +102,65 @@ class Job:
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads) so far, from /proc."""
-    if pid is None:
-        return None
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after ``pid (comm) ``: state, ppid, ... (None: no such process)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process descended from it now (from each process's ppid in /proc),
+    parents before children; empty when ``root`` is gone."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    if _stat_fields(root) is None:
+        return []
+    tree = [root]
+    for pid in tree:  # grows while walked: breadth first
+        tree.extend(children.get(pid, ()))
+    return tree
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds so far of process ``pid`` and all its descendants (every
+    thread), including descendants that have exited and been reaped (their parent's
+    cutime/cstime), from /proc. None when ``pid`` is not running."""
+    if pid is None:
+        return None
+    ticks = 0
+    found = False
+    for member in process_tree(pid):
+        fields = _stat_fields(member)
+        if fields is None:  # exited between the scan and now
+            continue
+        found = True
+        ticks += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / _TICK if found else None
+
+
+def host_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU ticks of the whole host so far, from the first line of /proc/stat;
+    iowait counts as idle."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    total = sum(fields[:8])  # guest time is already inside user/nice
+    return total - fields[3] - fields[4], total
+
+
+def busy_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share (%) of the host's CPU time that was busy between two :func:`host_ticks`."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 1)
 
 
 def _cpu_delta(before: float | None, after: float | None) -> float | None:
@@ -168,9 +222,10 @@ def run_wrk(job: Job, threads: int, pin: Cpus = None) -> LoadResult:
 
         if job.warmup_s > 0:
             once(job.warmup_s)
-        cpu0 = cpu_seconds(job.cpu_pid)
+        cpu0, host0 = cpu_seconds(job.cpu_pid), host_ticks()
         out = once(job.duration_s)
         cpu = _cpu_delta(cpu0, cpu_seconds(job.cpu_pid))
+        busy = busy_pct(host0, host_ticks())
     finally:
         os.unlink(script)
     line = next((ln for ln in out.splitlines() if ln.startswith("WRK_JSON ")), None)
@@ -191,6 +246,7 @@ def run_wrk(job: Job, threads: int, pin: Cpus = None) -> LoadResult:
         mean_ms=round(s["mean"] / 1000, 4),
         max_ms=s["max"] / 1000,
         server_cpu_s=cpu,
+        host_busy_pct=busy,
     )
 
 
@@ -305,12 +361,13 @@ async def _streams(
                 errors += 1
 
 
-async def _cpu_over(win: _Window, pid: int | None) -> float | None:
-    """CPU seconds ``pid`` used between the window's start and end (sampled at both)."""
+async def _cpu_over(win: _Window, pid: int | None) -> tuple[float | None, float | None]:
+    """(CPU seconds ``pid``'s tree used, host busy %) between the window's start and end
+    (sampled at both)."""
     await asyncio.sleep(max(0.0, (win.start - time.perf_counter_ns()) / 1e9))
-    before = cpu_seconds(pid)
+    before, host0 = cpu_seconds(pid), host_ticks()
     await asyncio.sleep(max(0.0, (win.end - time.perf_counter_ns()) / 1e9))
-    return _cpu_delta(before, cpu_seconds(pid))
+    return _cpu_delta(before, cpu_seconds(pid)), busy_pct(host0, host_ticks())
 
 
 async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
@@ -324,6 +381,7 @@ async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
         events = [e for p in parts for e in p[1]]
         times = [t for p in parts for t in p[2]]
         p50, _, p99, _, _ = _percentiles(times)
+        cpu, busy = await cpu_task
         return StreamResult(
             client="aiohttp",
             concurrency=c,
@@ -335,11 +393,13 @@ async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
             events_per_stream=round(sum(events) / len(events), 2) if events else 0.0,
             stream_p50_ms=p50,
             stream_p99_ms=p99,
-            server_cpu_s=await cpu_task,
+            server_cpu_s=cpu,
+            host_busy_pct=busy,
         ).as_dict()
     results = await asyncio.gather(*(_requests(session, job.url, body, win) for _ in range(c)))
     lat = [x for r in results for x in r[0]]
     p50, p90, p99, mean, mx = _percentiles(lat)
+    cpu, busy = await cpu_task
     return LoadResult(
         client="aiohttp",
         concurrency=c,
@@ -352,7 +412,8 @@ async def _run_job(session: aiohttp.ClientSession, job: Job) -> dict[str, Any]:
         p99_ms=p99,
         mean_ms=mean,
         max_ms=mx,
-        server_cpu_s=await cpu_task,
+        server_cpu_s=cpu,
+        host_busy_pct=busy,
     ).as_dict()
 
 

@@ -3,11 +3,15 @@
 Role: answers ``POST`` (any path) with a small fixed vLLM-shaped chat completion (with
 ``usage``), or, when the body asks ``"stream": true``, a Server-Sent Event stream of
 ``chunks`` chunk events, then the usage event when ``stream_options.include_usage`` is set (or
-``stream_options`` is ``{}``, as vLLM does), then ``data: [DONE]``. ``GET /health`` answers
-200; ``GET /stats`` returns how many POSTs and streams it has served, and how many POSTs
-carried ``X-Bench-Direct`` (the benchmark sends it on direct runs only, so the other POSTs are
-the ones that came through the proxy, to compare with the proxy's store). Run as ``python -m bench.proxy._upstream --port 0 [--chunks K]``; it
-prints ``upstream listening on PORT`` once it accepts connections.
+``stream_options`` is ``{}``, as vLLM does), then ``data: [DONE]``. A ``POST`` to a path ending
+in ``/render`` (vLLM's ``/v1/chat/completions/render``, which the vLLM router asks before each
+call to route on prompt tokens) answers fixed prompt ``token_ids`` and counts as a render, not
+as a POST. ``GET /health`` answers 200; ``GET /stats`` returns how many POSTs, streams and
+renders it has served, and how many POSTs carried ``X-Bench-Direct`` (the benchmark sends it on
+direct runs only, so the other POSTs are the ones that came through the proxy, to compare with
+the proxy's store). Any other path answers 404 (the SGLang gateway's metadata probes fall back
+and go on). Run as ``python -m bench.proxy._upstream --port 0 [--chunks K]``; it prints
+``upstream listening on PORT`` once it accepts connections.
 
 Invariants:
 - every response is pre-built bytes; a request costs a header scan and a dict lookup, and
@@ -49,6 +53,12 @@ _COMPLETION = orjson.dumps(
         ],
         "usage": {"prompt_tokens": 12, "total_tokens": 13, "completion_tokens": 1},
     }
+)
+
+
+# vLLM's render answer (a GenerateRequest): the prompt's token ids; ``features`` for media.
+_RENDER = orjson.dumps(
+    {"request_id": "render-bench", "token_ids": list(range(1000, 1012)), "features": None}
 )
 
 
@@ -102,6 +112,7 @@ class Counters:
         self.posts = 0
         self.direct_posts = 0
         self.streams = 0
+        self.renders = 0
 
 
 class EngineProtocol(asyncio.Protocol):
@@ -114,6 +125,7 @@ class EngineProtocol(asyncio.Protocol):
             _OK + b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
         self.completion = _response(_COMPLETION)
+        self.render = _response(_RENDER)
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.streaming = False
@@ -171,7 +183,10 @@ class EngineProtocol(asyncio.Protocol):
 
     def _answer(self, head: bytes, body: bytes) -> None:
         assert self.transport is not None
-        if head.startswith(b"post "):
+        if head.startswith(b"post ") and head.split(b" ", 2)[1].endswith(b"/render"):
+            self.counters.renders += 1
+            self.transport.write(self.render)
+        elif head.startswith(b"post "):
             self.counters.posts += 1
             if b"\r\nx-bench-direct:" in head:
                 self.counters.direct_posts += 1
@@ -185,7 +200,12 @@ class EngineProtocol(asyncio.Protocol):
             self.transport.write(self.completion)
         elif head.startswith(b"get /stats"):
             c = self.counters
-            stats = {"posts": c.posts, "direct_posts": c.direct_posts, "streams": c.streams}
+            stats = {
+                "posts": c.posts,
+                "direct_posts": c.direct_posts,
+                "streams": c.streams,
+                "renders": c.renders,
+            }
             self.transport.write(_response(orjson.dumps(stats)))
         elif head.startswith(b"get /health"):
             self.transport.write(_response(b'{"status":"ok"}'))
