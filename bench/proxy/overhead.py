@@ -575,6 +575,29 @@ def judge(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def contention_notes(http: dict[str, Any], place: Placement, client: str) -> list[str]:
+    """What a reader must know to weigh this run's figures: who shares the cores, and how
+    idle the machine was before each phase (other work competes with every server alike only
+    if it was steady)."""
+    usable = len(os.sched_getaffinity(0))
+    who = f"the load generator ({client}), the stub engine and the loaded server"
+    if place.server is None or place.others is None:
+        notes = [f"{usable} usable CPUs; {who} share them, unpinned, as shipped"]
+    else:
+        where = f"server on CPUs {sorted(place.server)}, the others on {sorted(place.others)}"
+        notes = [f"{usable} usable CPUs; {who} pinned: {where}"]
+    phases = {"direct": http["direct"], **http["servers"]}
+    idle = {n: p.get("idle_cpus_before") for n, p in phases.items() if "skipped" not in p}
+    busy = {n: v for n, v in idle.items() if v is not None and v < usable - 0.3}
+    if busy:
+        notes.append(
+            "other work was running: idle CPUs before "
+            + ", ".join(f"{n} {v:g}" for n, v in busy.items())
+            + f" of {usable}; figures of phases with less idle are the less reliable"
+        )
+    return notes
+
+
 def run_benchmark(shape: RunShape, client: str = "auto", pin: bool = False) -> dict[str, Any]:
     """Every measurement of this benchmark, with summary and targets."""
     if client == "auto":
@@ -614,6 +637,7 @@ def run_benchmark(shape: RunShape, client: str = "auto", pin: bool = False) -> d
         "recorder": recorder,
         "summary": summary,
         "targets": judge(summary),
+        "notes": contention_notes(http, place, client),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
 

@@ -95,6 +95,7 @@ def test_tiny_benchmark_writes_a_complete_report(tmp_path: Path) -> None:
         assert run["on_disk"] == run["written"] == run["records"]
     assert data["summary"]["proxied_rps_c16"] == data["summary"]["servers"][SCEPSY]["rps_c16"]
     assert set(data["targets"]) == set(TARGETS)
+    assert "usable CPUs" in data["notes"][0]
     for t in data["targets"].values():
         assert t["met"] is None if t["value"] is None else isinstance(t["met"], bool)
 
