@@ -6,12 +6,15 @@ Role: :class:`proxy.router.Router` asks a :class:`HashRing` which replica a call
 The ring places ``vnodes`` points per replica URL on a 64-bit circle; a key goes to the first
 point clockwise of its own hash whose replica is usable and *not over its bound*:
 
-    bound = ceil(load_factor · (Σ load + 1) / n)        (n usable replicas)
+    mean  = (Σ load + 1) / n                               (n usable replicas)
+    bound = max(ceil(load_factor · mean), ceil(mean) + slack)
 
-(Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018): no
-replica takes more than ``load_factor`` times the mean, so a hot key (a beam search fanning
-out 32 calls) spills to the next replica on the circle instead of queueing on one, and spills
-to the same next replica in every process.
+(Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads", SODA 2018, with
+an absolute ``slack``): no replica takes more than ``load_factor`` times the mean or ``slack``
+calls above it, whichever is more, so a hot key (a beam search fanning out 32 calls) spills to
+the next replica on the circle instead of queueing on one, and spills to the same next replica
+in every process; and a light burst (one beam step's few calls, on two replicas) stays together
+where the factor alone would split it and lose the engine's prefix cache.
 
 Invariants:
 - pure and deterministic: points and key hashes are BLAKE2b digests of the URL and the key (not
@@ -88,6 +91,7 @@ class HashRing:
         url_of: Callable[[T], str],
         load_of: Callable[[T], float],
         load_factor: float,
+        slack: float = 0.0,
     ) -> T:
         """The first of ``usable`` on the walk from ``key`` whose load is under the bound
         (see the module docstring); ``usable`` must not be empty."""
@@ -95,7 +99,8 @@ class HashRing:
             raise ValueError("no usable replica to choose from")
         by_url = {url_of(r): r for r in usable}
         loads = {url: load_of(r) for url, r in by_url.items()}
-        bound = math.ceil(load_factor * (sum(loads.values()) + 1) / len(by_url))
+        mean = (sum(loads.values()) + 1) / len(by_url)
+        bound = max(math.ceil(load_factor * mean), math.ceil(mean) + slack)
         for url in self.walk(key):
             if url in by_url and loads[url] < bound:
                 return by_url[url]

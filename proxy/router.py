@@ -205,7 +205,12 @@ class Router:
             return chosen
         if self.settings.policy == "consistent_hash" and key is not None and len(live) > 1:
             return self._rings[model].choose(
-                key, live, _url, self.load, self.settings.hash_load_factor
+                key,
+                live,
+                _url,
+                self.load,
+                self.settings.hash_load_factor,
+                self.settings.affinity_slack,
             )
         if len(live) == 1:
             return live[0]

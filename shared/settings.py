@@ -132,7 +132,8 @@ class RoutingSettings:
     hash_load_factor: float = setting(
         1.25,
         doc="consistent_hash: a replica takes no more than this times the mean in-flight "
-        "calls; a key whose replica is over it spills to the next replica on the ring",
+        "calls (or affinity_slack above the mean, whichever is more); a key whose replica is "
+        "over it spills to the next replica on the ring",
     )
     hash_key_chars: int = setting(
         256,
@@ -156,7 +157,8 @@ class RoutingSettings:
     affinity_slack: int = setting(
         8,
         doc="prefix affinity falls back to the least-loaded replica when the preferred one has "
-        "this many more in-flight calls than it",
+        "this many more in-flight calls than it; consistent_hash lets a replica take this many "
+        "calls above the mean before a key spills",
     )
     affinity_load_ratio: float = setting(
         1.0,
