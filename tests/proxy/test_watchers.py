@@ -66,12 +66,12 @@ async def test_an_engine_busy_with_other_traffic_gets_less_new_work(
     async with _engines() as (busy, idle):
         proxy = await proxy_factory(
             [(MODEL, busy.url), (MODEL, idle.url)],
-            routing={"policy": policy, "engine_scrape_s": 0.2},
+            routing={"policy": policy, "engine_scrape_s": 0.2, "affinity_slack": 2},
         )
         reps = {r.url: r for r in proxy.router.replicas()}
-        async with _held(busy, 32):
+        async with _held(busy, 48):
             # the engine runs them; the proxy's scraper sees it, with no call of its own there
-            await _until(lambda: proxy.router.load(reps[busy.url]) >= 16, 10.0)
+            await _until(lambda: proxy.router.load(reps[busy.url]) >= 24, 15.0)
             async with openai.AsyncOpenAI(
                 base_url=f"{proxy.url}/v1", api_key="x", max_retries=0
             ) as client:
