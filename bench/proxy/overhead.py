@@ -25,26 +25,26 @@ Measured (all real measurements on this machine, nothing emulated):
 - after SIGTERM of the proxy, the records its store holds against the POSTs that reached the
   upstream through it while it ran, and the ``recorder closed`` lines of all its workers summed.
 
+This module holds the run's shape, plans the jobs of each phase, runs them and assembles the
+report; the server processes are ``bench.proxy.servers``, the summary, targets and notes
+``bench.proxy.overhead_report``.
+
 Invariants: every figure in ``summary`` is computed from the measurements in the same file;
 ``targets`` states each target of issues 2 and 26 and whether this run met it (``met`` is null
-where a figure it needs was not measured, e.g. a peer not installed).
+where a figure it needs was not measured, e.g. a peer not installed); every server this module
+starts is killed (its whole process tree) before its phase returns, whether it ran or failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import platform
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -56,28 +56,31 @@ from bench.proxy._load import (
     Job,
     LoadResult,
     StreamResult,
-    popen,
     run_client,
     run_wrk,
     wrk_path,
 )
 from bench.proxy._recorder_speed import measure_recorder, store_rows
+from bench.proxy.overhead_report import contention_notes, judge, print_http, summarise
 from bench.proxy.peers import PEERS, SCEPSY, Peer
+from bench.proxy.servers import (
+    BODY,
+    ROUTE,
+    STREAM_BODY,
+    Placement,
+    Server,
+    idle_cpus,
+    recorder_totals,
+    scepsy_command,
+    upstream_stats,
+    worker_count,
+)
 from shared.ports import free_port
 
-MODEL = "bench"
-WORKFLOW = "bench"
-ROUTE = "/v1/chat/completions"
-BODY = orjson.dumps(
-    {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 16}
-)
-STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
+# ``Server`` is imported from here by ``bench.proxy.upstream_client``.
+__all__ = ["FULL", "QUICK", "RunShape", "Server", "main", "run_benchmark", "write_report"]
+
 DIRECT = (("X-Bench-Direct", "1"),)
-_LISTENING = {
-    "upstream": re.compile(r"upstream listening on (\d+)"),
-    SCEPSY: re.compile(r"scepsy-proxy listening on http://[^:]+:(\d+)"),
-}
-_RECORDER_CLOSED = re.compile(r"recorder closed: (\d+) written, (\d+) dropped")
 
 
 @dataclass(frozen=True)
@@ -98,164 +101,6 @@ class RunShape:
 
 QUICK = RunShape(2.0, 1.0, 2.0, 32, 100_000, 50_000, 50_000.0, concurrencies=(1, 16))
 FULL = RunShape(10.0, 2.0, 10.0, 32, 200_000, 500_000, 50_000.0)
-
-
-@dataclass(frozen=True)
-class Target:
-    """A target of an issue on one summary figure (a path of keys into ``summary``)."""
-
-    issue: int
-    path: tuple[str, ...]
-    op: str  # "<=", ">=" or "=="
-    bound: float
-
-
-TARGETS: dict[str, Target] = {
-    "added_p50_ms_c1": Target(2, ("added_p50_ms_c1",), "<=", 0.5),
-    "proxied_rps_c16": Target(2, ("proxied_rps_c16",), ">=", 4000.0),
-    "stream_events_per_s": Target(2, ("stream_events_per_s",), ">=", 25000.0),
-    "recorder_records_per_s": Target(2, ("recorder_records_per_s",), ">=", 50000.0),
-    "records_dropped": Target(2, ("records_dropped",), "==", 0.0),
-    "rps_c16_over_sglang_router": Target(26, ("ratios", "rps_c16_over_sglang_router"), ">=", 1.0),
-    "rps_c16_over_vllm_router": Target(26, ("ratios", "rps_c16_over_vllm_router"), ">=", 0.8),
-    "added_p50_ms_c1_issue26": Target(26, ("added_p50_ms_c1",), "<=", 0.15),
-    "stream_events_over_vllm_router": Target(
-        26, ("ratios", "stream_events_over_vllm_router"), ">=", 1.0
-    ),
-    "stream_events_over_sglang_router": Target(
-        26, ("ratios", "stream_events_over_sglang_router"), ">=", 1.0
-    ),
-    "records_lost": Target(26, ("records_lost",), "==", 0.0),
-}
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which cores the loaded server and everything else (upstream, load generator) may use."""
-
-    server: Cpus
-    others: Cpus
-
-    @staticmethod
-    def choose(pin: bool) -> Placement:
-        cpus = sorted(os.sched_getaffinity(0))
-        if not pin or len(cpus) < 2:
-            return Placement(None, None)
-        return Placement(frozenset(cpus[:1]), frozenset(cpus[1:]))
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "server_cpus": sorted(self.server) if self.server else "unpinned",
-            "upstream_and_client_cpus": sorted(self.others) if self.others else "unpinned",
-        }
-
-
-class Server:
-    """A server child process (its own session, so its whole tree can be killed) whose
-    stdout/stderr go to files. Ready when it prints its port (``kind`` in ``_LISTENING``), or,
-    given ``port``, when a POST of the benchmark's body to it answers 200."""
-
-    def __init__(
-        self,
-        kind: str,
-        cmd: list[str],
-        cpus: Cpus,
-        logs: Path,
-        port: int | None = None,
-        ready_s: float = 30.0,
-    ) -> None:
-        self.kind = kind
-        self.cmd = cmd
-        self.out = logs / f"{kind}.out"
-        self.err = logs / f"{kind}.err"
-        with self.out.open("wb") as out, self.err.open("wb") as err:
-            self.proc = popen(cmd, cpus, stdout=out, stderr=err, start_new_session=True)
-        self.port = self._wait_ready(ready_s, port)
-
-    def _wait_ready(self, timeout_s: float, port: int | None) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if port is not None and _answers(f"http://127.0.0.1:{port}{ROUTE}"):
-                return port
-            m = None if port is not None else _LISTENING[self.kind].search(self._text(self.out))
-            if m:
-                return int(m[1])
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.kill()
-        why = "exited" if self.proc.returncode is not None else f"not ready in {timeout_s:g} s"
-        raise RuntimeError(f"{self.kind} did not start ({why}): {self._text(self.err)[-1500:]}")
-
-    @staticmethod
-    def _text(path: Path) -> str:
-        return path.read_text(errors="replace")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
-        """Signal the process and wait for it; kill its whole tree if it outlives
-        ``timeout_s``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL the process's whole session (workers included) and reap it."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-def _answers(url: str) -> bool:
-    req = urllib.request.Request(url, BODY, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as r:
-            return int(r.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def idle_cpus(seconds: float = 0.5) -> float | None:
-    """How many CPUs sat idle over ``seconds`` (from /proc/stat): other work on the machine
-    competes with the benchmark, and this says how much there was."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    share = (idle1 - idle0) / max(1, total1 - total0)
-    return round(share * (os.cpu_count() or 1), 2)
-
-
-def upstream_stats(upstream: Server) -> dict[str, int]:
-    with urllib.request.urlopen(upstream.url + "/stats", timeout=5) as r:
-        return {k: int(v) for k, v in orjson.loads(r.read()).items()}
-
-
-def recorder_totals(stderr: str) -> dict[str, int] | None:
-    """The ``recorder closed: N written, M dropped`` lines of a proxy's stderr (one per
-    worker, and one in all for a single process), summed; None when there is none."""
-    lines = _RECORDER_CLOSED.findall(stderr)
-    if not lines:
-        return None
-    return {
-        "written": sum(int(w) for w, _ in lines),
-        "dropped": sum(int(d) for _, d in lines),
-        "recorders": len(lines),
-    }
 
 
 def _job(shape: RunShape, url: str, c: int, stream: bool, headers: Any, pid: int) -> Job:
@@ -313,18 +158,6 @@ def _run_phase(
     return runs, streams
 
 
-def scepsy_command(upstream: Server, store: Path, place: Placement, logs: Path) -> list[str]:
-    """The proxy as shipped (default workers); pinned, one worker on its one core."""
-    cmd = [sys.executable, "-m", "proxy.cli", "--listen", "127.0.0.1:0"]
-    cmd += ["--upstream", f"{MODEL}={upstream.url}", "--store", str(store)]
-    cmd += ["--workflow", WORKFLOW, "--log-level", "INFO"]
-    if place.server is not None:
-        config = logs / "one-worker.yaml"
-        config.write_text("proxy:\n  workers: 1\n")
-        cmd += ["--config", str(config)]
-    return cmd
-
-
 def measure_server(
     name: str,
     peer: Peer | None,
@@ -361,17 +194,12 @@ def measure_server(
     out: dict[str, Any] = {"command": cmd, "idle_cpus_before": idle, "http": runs}
     out["streaming"] = streams[name]
     if peer is None:
-        out["workers"] = _workers(server)
+        out["workers"] = worker_count(server)
         out["store_check"] = store_check(before, upstream, server, store, code, shutdown_s)
     else:
         out.update(package=peer.package, version=peer.version(), policy=peer.policy)
         out.update(notes=peer.notes, exit_code=code)
     return out
-
-
-def _workers(server: Server) -> int | None:
-    m = re.search(r"\((\d+) workers", server.out.read_text(errors="replace"))
-    return int(m[1]) if m else 1 if server.out.stat().st_size else None
 
 
 def measure_http(shape: RunShape, client: str, place: Placement, logs: Path) -> dict[str, Any]:
@@ -427,26 +255,6 @@ def store_check(
     }
 
 
-def print_http(report: dict[str, Any]) -> None:
-    phases = [("direct", report["direct"]), *list(report["servers"].items())]
-    for name, phase in phases:
-        if "skipped" in phase:
-            print(f"{name:14} skipped: {phase['skipped'][:200]}")
-            continue
-        for r in phase["http"]:
-            print(
-                f"{name:14} c={r['concurrency']:<3} {r['target']:14} {r['rps']:>8.0f} rps"
-                f"  p50 {r['p50_ms']:.3f}  p99 {r['p99_ms']:.3f} ms  errors {r['errors']}"
-                f"  server cpu {_cpu_ms(r, 'requests')} ms/req  host busy {r['host_busy_pct']}%"
-            )
-        s = phase["streaming"]
-        print(
-            f"{name:14} streams x{s['concurrency']:<3} {s['events_per_s']:>10.0f} events/s"
-            f"  stream p50 {s['stream_p50_ms']:.2f} ms  errors {s['errors']}"
-            f"  host busy {s['host_busy_pct']}%"
-        )
-
-
 def measure_recorder_runs(shape: RunShape, place: Placement) -> dict[str, Any]:
     """The recorder on the server's core when pinned (every server has stopped by now): a
     burst the queue holds, then a paced run at ``shape.recorder_rate``."""
@@ -461,141 +269,6 @@ def measure_recorder_runs(shape: RunShape, place: Placement) -> dict[str, Any]:
     for name, r in (("burst", burst), ("paced", paced)):
         print(f"recorder {name:5} {r.records_per_s:>10.0f} records/s, dropped {r.dropped}")
     return {"burst": burst.as_dict(), "paced": paced.as_dict()}
-
-
-def _run(runs: list[dict[str, Any]], target: str, c: int) -> dict[str, Any] | None:
-    return next((r for r in runs if r["target"] == target and r["concurrency"] == c), None)
-
-
-def _cpu_ms(run: dict[str, Any] | None, unit: str) -> float | None:
-    cpu = None if run is None else run.get("server_cpu_s")
-    return None if run is None or cpu is None or not run[unit] else round(cpu * 1e3 / run[unit], 4)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else round(a / b, 3)
-
-
-def server_figures(name: str, phase: dict[str, Any]) -> dict[str, Any]:
-    """One server's summary figures (see the module docstring)."""
-    runs = phase["http"]
-    c1, pair = _run(runs, name, 1), _run(runs, "direct", 1)
-    c16, c64 = _run(runs, name, 16), _run(runs, name, 64)
-    s = phase["streaming"]
-    out = {
-        "p50_ms_c1": c1 and c1["p50_ms"],
-        "direct_p50_ms_c1": pair and pair["p50_ms"],
-        "added_p50_ms_c1": c1 and pair and round(c1["p50_ms"] - pair["p50_ms"], 4),
-        "rps_c16": c16 and c16["rps"],
-        "p99_ms_c16": c16 and c16["p99_ms"],
-        "cpu_ms_per_request_c16": _cpu_ms(c16, "requests"),
-        "server_cores_c16": c16
-        and c16["server_cpu_s"]
-        and round(c16["server_cpu_s"] / c16["duration_s"], 3),
-        "host_busy_pct_c16": c16 and c16["host_busy_pct"],
-        "rps_c64": c64 and c64["rps"],
-        "cpu_ms_per_request_c64": _cpu_ms(c64, "requests"),
-        "stream_events_per_s": s["events_per_s"],
-        "streams_per_s": round(s["streams"] / s["duration_s"], 1),
-        "stream_p50_ms": s["stream_p50_ms"],
-        "cpu_ms_per_stream": _cpu_ms(s, "streams"),
-        "host_busy_pct_streams": s["host_busy_pct"],
-        "errors": sum(r["errors"] for r in runs) + s["errors"],
-    }
-    return out
-
-
-def summarise(http: dict[str, Any], recorder: dict[str, Any]) -> dict[str, Any]:
-    direct = http["direct"]
-    servers = {
-        name: {"skipped": phase["skipped"]} if "skipped" in phase else server_figures(name, phase)
-        for name, phase in http["servers"].items()
-    }
-    mine = servers[SCEPSY]
-    check = http["servers"][SCEPSY].get("store_check", {})
-    dropped = recorder["burst"]["dropped"] + recorder["paced"]["dropped"]
-    dropped += check.get("proxy_recorder_dropped") or 0
-    ratios: dict[str, float | None] = {}
-    for peer in PEERS:
-        theirs = servers.get(peer.name, {})
-        key = peer.name.replace("-", "_")
-        ratios[f"rps_c16_over_{key}"] = _ratio(mine.get("rps_c16"), theirs.get("rps_c16"))
-        ratios[f"rps_c64_over_{key}"] = _ratio(mine.get("rps_c64"), theirs.get("rps_c64"))
-        ratios[f"added_p50_c1_minus_{key}_ms"] = (
-            None
-            if mine.get("added_p50_ms_c1") is None or theirs.get("added_p50_ms_c1") is None
-            else round(mine["added_p50_ms_c1"] - theirs["added_p50_ms_c1"], 4)
-        )
-        ratios[f"cpu_per_request_c16_over_{key}"] = _ratio(
-            mine.get("cpu_ms_per_request_c16"), theirs.get("cpu_ms_per_request_c16")
-        )
-        ratios[f"stream_events_over_{key}"] = _ratio(
-            mine.get("stream_events_per_s"), theirs.get("stream_events_per_s")
-        )
-    d16 = _run(direct["http"], "direct", 16)
-    return {
-        "servers": servers,
-        "ratios": ratios,
-        "direct": {
-            "rps_c16": d16 and d16["rps"],
-            "stream_events_per_s": direct["streaming"]["events_per_s"],
-        },
-        # The proxy's own figures under the names issue 2's targets use.
-        "added_p50_ms_c1": mine.get("added_p50_ms_c1"),
-        "proxied_rps_c16": mine.get("rps_c16"),
-        "stream_events_per_s": mine.get("stream_events_per_s"),
-        "recorder_records_per_s": recorder["burst"]["records_per_s"],
-        "records_dropped": dropped,
-        "records_lost": check.get("records_lost"),
-    }
-
-
-def judge(summary: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, t in TARGETS.items():
-        value: Any = summary
-        for part in t.path:
-            value = value.get(part) if isinstance(value, dict) else None
-        met: bool | None = None
-        if value is not None:
-            met = (
-                value <= t.bound
-                if t.op == "<="
-                else value >= t.bound
-                if t.op == ">="
-                else value == t.bound
-            )
-        out[key] = {
-            "issue": t.issue,
-            "figure": ".".join(t.path),
-            "target": f"{t.op} {t.bound:g}",
-            "value": value,
-            "met": None if met is None else bool(met),
-        }
-    return out
-
-
-def contention_notes(http: dict[str, Any], place: Placement, client: str) -> list[str]:
-    """What a reader must know to weigh this run's figures: who shares the cores, and how
-    idle the machine was before each phase (other work competes with every server alike only
-    if it was steady)."""
-    usable = len(os.sched_getaffinity(0))
-    who = f"the load generator ({client}), the stub engine and the loaded server"
-    if place.server is None or place.others is None:
-        notes = [f"{usable} usable CPUs; {who} share them, unpinned, as shipped"]
-    else:
-        where = f"server on CPUs {sorted(place.server)}, the others on {sorted(place.others)}"
-        notes = [f"{usable} usable CPUs; {who} pinned: {where}"]
-    phases = {"direct": http["direct"], **http["servers"]}
-    idle = {n: p.get("idle_cpus_before") for n, p in phases.items() if "skipped" not in p}
-    busy = {n: v for n, v in idle.items() if v is not None and v < usable - 0.3}
-    if busy:
-        notes.append(
-            "other work was running: idle CPUs before "
-            + ", ".join(f"{n} {v:g}" for n, v in busy.items())
-            + f" of {usable}; figures of phases with less idle are the less reliable"
-        )
-    return notes
 
 
 def run_benchmark(shape: RunShape, client: str = "auto", pin: bool = False) -> dict[str, Any]:

@@ -23,15 +23,10 @@ import pytest
 
 from bench.proxy._load import _stat_fields, cpu_seconds, process_tree
 from bench.proxy._upstream import Counters, EngineProtocol
-from bench.proxy.overhead import (
-    TARGETS,
-    RunShape,
-    judge,
-    recorder_totals,
-    run_benchmark,
-    write_report,
-)
+from bench.proxy.overhead import RunShape, run_benchmark, write_report
+from bench.proxy.overhead_report import TARGETS, judge
 from bench.proxy.peers import PEERS, SCEPSY
+from bench.proxy.servers import recorder_totals
 
 TINY = RunShape(
     duration_s=0.3,
