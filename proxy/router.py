@@ -46,7 +46,7 @@ class Replica:
     served: int = 0
     engine: EngineLoad | None = None  # the engine's own figures at the last scrape
     scraped_at: float = -math.inf  # monotonic time of that scrape
-    in_flight_at_scrape: int = 0  # this proxy's calls on it then (the engine counted them)
+    beyond: float = 0.0  # what that scrape adds to this proxy's in-flight count (Router.load)
 
     @property
     def active(self) -> bool:
@@ -251,12 +251,9 @@ class Router:
         workers' calls, its queue), plus one batch more when its KV cache is full (a new call
         waits for a running one to end). A scrape older than ``engine_stale_s``, or none,
         leaves the local count alone."""
-        engine = rep.engine
-        if engine is None or self._clock() - rep.scraped_at > self.settings.engine_stale_s:
+        if self._clock() - rep.scraped_at > self.settings.engine_stale_s:
             return float(rep.in_flight)
-        others = max(0.0, engine.calls - rep.in_flight_at_scrape)
-        full = engine.kv_usage is not None and engine.kv_usage >= self.settings.engine_kv_full
-        return rep.in_flight + others + (engine.running if full else 0.0)
+        return rep.in_flight + rep.beyond
 
     def scrape_targets(self) -> list[Replica]:
         """Replicas whose engine load is worth reading: those new calls may go to."""
@@ -267,7 +264,12 @@ class Router:
         the last figures age out)."""
         if engine is None:
             return
-        rep.engine, rep.scraped_at, rep.in_flight_at_scrape = engine, self._clock(), rep.in_flight
+        # Worked out once per scrape, not per pick: the engine counted this proxy's calls in
+        # flight then, so only the rest is added.
+        others = max(0.0, engine.calls - rep.in_flight)
+        full = engine.kv_usage is not None and engine.kv_usage >= self.settings.engine_kv_full
+        rep.engine, rep.scraped_at = engine, self._clock()
+        rep.beyond = others + (engine.running if full else 0.0)
 
     def has_alternative(self, model: str, tried: Sequence[Replica]) -> bool:
         """Whether an active replica of ``model`` is left that ``tried`` does not hold."""
