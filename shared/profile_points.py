@@ -7,12 +7,15 @@ file carried between clusters all produce them; the optimizer stores them and fi
 Provenance: ``source`` says who measured a point: ``"replay"`` (a profiler or the simulator
 replaying a trace) or ``"live"`` (the daemon, from what a serving replica did over one window,
 :mod:`optimizer.model.live`); ``observed_at`` is a live point's window end (epoch seconds, 0 for
-replay points) and ``n_calls`` the sample size. Both default, so files and tables written before
-they existed still load as replay points.
+replay points) and ``n_calls`` the sample size. ``colocation`` says what shared the GPU while a
+replay point was measured: ``"alone"`` (nothing else ran on its GPUs), ``"packed"`` (as many busy
+copies of the same key as fill the GPU, each offered the same rate: how an allocation packs
+fractions) or ``""`` (not recorded). All three default, so files and tables written before they
+existed still load as replay points of unrecorded colocation.
 
 Invariants: points travel as ``{"points": [...]}`` JSON; :func:`import_json` refuses a point
-with ``tp < 1``, a share outside ``(0, 1]``, a negative rate or an unknown ``source``, naming the
-bad entry.
+with ``tp < 1``, a share outside ``(0, 1]``, a negative rate or an unknown ``source`` or
+``colocation``, naming the bad entry.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import orjson
 from shared.settings_schema import SettingsError, decode
 
 SOURCES = ("replay", "live")
+COLOCATIONS = ("", "alone", "packed")
 
 
 class ProfileError(ValueError):
@@ -51,6 +55,7 @@ class ProfilePoint:
     n_calls: int
     source: str = "replay"  # "replay" | "live" (see the module docstring)
     observed_at: float = 0.0  # epoch seconds of a live point's window end
+    colocation: str = ""  # "alone" | "packed" | "" (not recorded; see the module docstring)
 
     @property
     def key(self) -> ProfileKey:
@@ -64,6 +69,12 @@ class ProfileKey:
     gpu_type: str
     tp: int
     share: float
+
+
+def packed_copies(share: float) -> int:
+    """Replicas of ``share`` that fill one GPU: how many ran side by side, each at the measured
+    rate, for a ``"packed"`` point (1 for a share above one half: packed is then alone)."""
+    return max(1, int(1.0 / share + 1e-9))
 
 
 def export_json(points: Iterable[ProfilePoint]) -> bytes:
@@ -88,4 +99,8 @@ def import_json(data: bytes | str) -> list[ProfilePoint]:
             raise ProfileError(f"points[{i}]: tp >= 1, 0 < share <= 1, rates >= 0 required")
         if p.source not in SOURCES:
             raise ProfileError(f"points[{i}]: source must be one of {SOURCES}, not {p.source!r}")
+        if p.colocation not in COLOCATIONS:
+            raise ProfileError(
+                f"points[{i}]: colocation must be one of {COLOCATIONS}, not {p.colocation!r}"
+            )
     return points

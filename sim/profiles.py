@@ -27,7 +27,7 @@ from shared.profile_points import ProfilePoint, export_json
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate
 from sim.perf import perf_model
-from sim.profiling import ProfileJob, WorkflowSetup, run_profile
+from sim.profiling import ProfileJob, WorkflowSetup, colocated, run_profile
 from sim.workflows import BeamParams, RagParams, WorkflowParams, models_of
 
 ENGINE = "simulated"
@@ -48,7 +48,9 @@ def jobs(
     gpu: str, beam: BeamParams, rag: RagParams, calls: int, shares: Sequence[float] = (1.0,)
 ) -> list[ProfileJob]:
     """One job per model of beam search and RAG and per GPU share it fits in, each at TP 1 (a
-    share whose memory holds no KV cache after the weights is skipped, as placement skips it)."""
+    share whose memory holds no KV cache after the weights is skipped, as placement skips it);
+    a share that packs several copies onto a GPU is also profiled alone, so the optimizer
+    knows both ends of what its neighbours cost."""
     out = []
     for workflow, params in (("beam", beam), ("rag", rag)):
         n = _calls_per_request(workflow, params, gpu)
@@ -69,7 +71,7 @@ def jobs(
                 for share in shares
                 if perf_model(model, gpu, 1, share).kv_capacity_tokens() > 0
             ]
-    return out
+    return out + [replace(j, alone=True) for j in out if colocated(j.share) > 1]
 
 
 def _run(job: ProfileJob) -> list[ProfilePoint]:

@@ -4,7 +4,8 @@ Role: the simulated stand-in for ``scepsy profile`` (which replays traced calls 
 emulator processes); ``sim.profiles`` runs it for the demo, the accuracy and evaluation
 benches for their own workflows. For one ``(model, tp, share)`` the workflow runs in
 ``sim.des`` with that model on one replica (a fractional share: on as many co-located replicas
-as fill one GPU, see ``colocated``) and every other model of the workflow over-provisioned, so
+as fill one GPU, see ``colocated``, or alone on its GPU with ``ProfileJob.alone``; each point
+says which in ``colocation``) and every other model of the workflow over-provisioned, so
 the model sees its real call mix, fan-out and prefix sharing. The rate is doubled from light
 load until the replica stops keeping up (``keeps_up``: saturation found, not configured), the
 bracket is bisected, then points at fixed fractions of the saturation estimate are added for
@@ -34,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.profile_points import ProfilePoint
+from shared.profile_points import ProfilePoint, packed_copies
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import SimCall, WorkloadSpec, simulate
 from sim.workflows import WorkflowParams, models_of
@@ -135,13 +136,16 @@ class ProfileJob:
     # re-measure an overload that the workflow's fill could explain with a warm-up of this
     # many of its request latencies (``refill_scale``); 0: off
     fill_latencies: float = 0.0
+    # measure the share alone on its GPU (no co-located copies): the other end of what
+    # neighbours cost, which the optimizer blends by how busy a placement's neighbours are
+    alone: bool = False
 
 
 def colocated(share: float) -> int:
     """Replicas of one share that fill a GPU: a fractional share is profiled next to busy
     copies of itself, since an allocation packs fractions onto shared GPUs and co-located
-    replicas contend for HBM bandwidth (``sim.cluster``)."""
-    return max(1, int(1.0 / share + 1e-9))
+    replicas contend for HBM bandwidth (``sim.cluster``): the points' ``"packed"``."""
+    return packed_copies(share)
 
 
 def keeps_up(offered: float, achieved: float) -> bool:
@@ -218,7 +222,7 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0) -> 
     the same way; the queueing is pooled over the co-located copies, which the pipeline's
     pooling correction then counts again, slightly under-predicting their latency)."""
     case = job.case
-    k = colocated(job.share)
+    k = 1 if job.alone else colocated(job.share)
     specs = [ReplicaSpec(job.model, case.gpu, job.tp, job.share, k)]
     specs += [
         ReplicaSpec(m, case.gpu, 1, 1.0, OVERPROVISION)
@@ -273,6 +277,7 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0) -> 
         lat_p99=float(p99),
         ttft_mean=float(np.mean(ttft)) if ttft else 0.0,
         n_calls=len(started),
+        colocation="alone" if k == 1 else "packed",
     )
     se = (
         float(np.std([b.mean() for b in np.array_split(lat, 10)], ddof=1) / math.sqrt(10))

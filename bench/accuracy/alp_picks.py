@@ -66,10 +66,15 @@ from bench.accuracy.alp_truth import (
     LATENCY_SE_QUICK,
     EvalJob,
     evaluate,
+    sim_allocation,
 )
 from bench.accuracy.cases import Case
-from optimizer.model.alp import ModelAlloc, Pipeline, predict
+from optimizer.model import colocation
+from optimizer.model.alp import ModelAlloc, Pipeline, Prediction, predict
+from optimizer.model.colocation import Placed
 from optimizer.model.curves import ProfileBook
+from shared.profile_points import packed_copies
+from sim.cluster import place
 from sim.profiling import run_profile
 
 LOADS, QUICK_LOADS = (0.2, 0.4, 0.6, 0.8), (0.4, 0.8)  # of predicted T_w
@@ -129,6 +134,14 @@ def _allocation(alloc: pick_sets.Alloc) -> dict[str, ModelAlloc]:
     return {m: ModelAlloc(d, tp, s) for m, (d, tp, s) in alloc.items()}
 
 
+def placed(case: Case, alloc: pick_sets.Alloc) -> tuple[Placed, ...]:
+    """The replicas of ``alloc`` where the simulator places them (``sim.cluster.place``)."""
+    return tuple(
+        Placed(spec.model, "sim", gpus, spec.share, spec.tp)
+        for spec, gpus in place(sim_allocation(case, alloc))
+    )
+
+
 @dataclass(frozen=True)
 class Learned:
     """What the optimizer knows of one workflow after tracing and profiling."""
@@ -137,6 +150,22 @@ class Learned:
     pipe: Pipeline
     book: ProfileBook
     settle_s: float  # a few light-load request latencies: the pipeline's fill
+
+    def predict(self, alloc: pick_sets.Alloc, rate: float | None) -> Prediction:
+        """The ALP's prediction for ``alloc`` where the simulator places it, each model read
+        between its alone and packed curves by its neighbours' load
+        (:mod:`optimizer.model.colocation`) at ``rate`` (``None``: at the workflow's own
+        capacity, for ``T_w``)."""
+        allocation = _allocation(alloc)
+        where = placed(self.case, alloc)
+        busy = (
+            colocation.capacity_weights(self.pipe, self.book, allocation, where)
+            if rate is None
+            else colocation.placed_weights(
+                {self.pipe.workflow: self.pipe}, self.book, where, {self.pipe.workflow: rate}
+            )
+        )
+        return predict(self.pipe, self.book, allocation, rate or 0.0, busy=busy)
 
 
 def learn(
@@ -155,6 +184,9 @@ def learn(
             replace(case, allocations=keyed[case.workflow]), stats, info, quick
         )
     ]
+    # a share that packs copies onto a GPU is measured alone too: the prediction reads each
+    # replica between the two ends by how busy its placed neighbours are
+    jobs += [replace(job, alone=True) for job in jobs if packed_copies(job.share) > 1]
     reused = _reused_points(reused_from)
     done = {j: reused[_job_key(job)] for j, job in enumerate(jobs) if _job_key(job) in reused}
     # longest first, so the pool does not end on one long job
@@ -243,7 +275,7 @@ def eval_jobs(k: Learned, j: Judged, scope: Scope) -> list[EvalJob]:
     lengths: dict[str, Any] = (
         {"cap_stretches": 0, "latency_window_latencies": 0.0, "replications": 1} if quick else {}
     )
-    cap = predict(k.pipe, k.book, _allocation(j.case.allocations[j.index]), 0.0).throughput
+    cap = k.predict(j.case.allocations[j.index], None).throughput
     i = j.index
     out = [
         EvalJob(
@@ -278,7 +310,7 @@ def eval_jobs(k: Learned, j: Judged, scope: Scope) -> list[EvalJob]:
 def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
     """``pick_sets.stage_check`` at a latency job's rate, over the case's latency-run length."""
     alloc = job.case.allocations[job.alloc_index]
-    pred = predict(k.pipe, k.book, _allocation(alloc), job.rate)
+    pred = k.predict(alloc, job.rate)
     n = job.case.eval_requests * 2
     warmup = max(k.settle_s, 0.1 * n / max(job.rate, 1e-9))
     return pick_sets.stage_check(job.case, alloc, pred, n, warmup, job.seed)
@@ -288,7 +320,6 @@ def _point_docs(
     k: Learned, j: Judged, jobs: Sequence[EvalJob], sims: Sequence[dict[str, Any]]
 ) -> tuple[dict[str, Any], float, list[float]]:
     alloc = j.case.allocations[j.index]
-    allocation = _allocation(alloc)
     doc: dict[str, Any] = {
         "set": j.set,
         "allocation": _doc(alloc),
@@ -301,7 +332,7 @@ def _point_docs(
     for ev, sim in zip(jobs, sims, strict=True):
         if ev.kind == "capacity":
             thr_err = _err(ev.rate, sim["capacity"])
-            low = predict(k.pipe, k.book, allocation, 0.0).capacity_low
+            low = k.predict(alloc, None).capacity_low
             doc["throughput"] = {
                 "predicted": ev.rate,
                 "simulated": sim["capacity"],
@@ -315,7 +346,7 @@ def _point_docs(
                 "simulated_backlog_throughput": sim["backlog_throughput"],
             }
             continue
-        pred = predict(k.pipe, k.book, allocation, ev.rate)
+        pred = k.predict(alloc, ev.rate)
         err = _err(pred.latency, sim["latency_mean"])
         if ev.fraction <= LATENCY_LOAD_MAX + 1e-9:
             lat_errs.append(err)

@@ -9,7 +9,8 @@ light-load trace that yields a workflow's statistics (``_trace``); the profile j
 (``_reused_points``, ``_profile_docs``); and the latency points' seeds (``latency_seed``).
 
 Invariants: every run, quick or full, is seeded, so the same plan gives the same simulated
-result; a profile job's key is (workflow, model, TP, share rounded to 6 places), and a profile
+result; a profile job's key is (workflow, model, TP, share rounded to 6 places, measured alone
+where the share packs copies), and a profile
 point is written and read back under its workflow, never mixed across workflows (a model is
 profiled under each workflow's own call mix); ``quick_cases`` keeps the workflows and their
 order, and the first ``QUICK_ALLOCATIONS`` allocations of each; a full-run capacity window
@@ -31,7 +32,7 @@ from bench.accuracy.alp_truth import LATENCY_SE, sim_allocation
 from bench.accuracy.cases import Case, calls_to_rows
 from optimizer.stats.figures import WorkflowStats
 from optimizer.stats.reader import summarise_store
-from shared.profile_points import ProfilePoint
+from shared.profile_points import ProfilePoint, packed_copies
 from shared.store import SegmentWriter
 from sim.des import WorkloadSpec, simulate
 from sim.profiling import (
@@ -231,15 +232,18 @@ def _profile_jobs(
     ]
 
 
-ProfileJobKey = tuple[str, str, int, float]  # workflow, model, TP, share
+# workflow, model, TP, share, and whether a share that packs copies was measured alone
+ProfileJobKey = tuple[str, str, int, float, bool]
 
 
-def _profile_key(workflow: str, model: str, tp: int, share: float) -> ProfileJobKey:
-    return workflow, model, tp, round(share, 6)
+def _profile_key(
+    workflow: str, model: str, tp: int, share: float, alone: bool = False
+) -> ProfileJobKey:
+    return workflow, model, tp, round(share, 6), alone and packed_copies(share) > 1
 
 
 def _job_key(job: ProfileJob) -> ProfileJobKey:
-    return _profile_key(job.case.workflow, job.model, job.tp, job.share)
+    return _profile_key(job.case.workflow, job.model, job.tp, job.share, job.alone)
 
 
 def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]:
@@ -251,7 +255,8 @@ def _reused_points(path: Path | None) -> dict[ProfileJobKey, list[ProfilePoint]]
     for doc in orjson.loads(path.read_bytes())["profile_points"]:
         workflow = doc.pop("workflow")
         p = ProfilePoint(**doc)
-        out.setdefault(_profile_key(workflow, p.model, p.tp, p.share), []).append(p)
+        key = _profile_key(workflow, p.model, p.tp, p.share, p.colocation == "alone")
+        out.setdefault(key, []).append(p)
     return out
 
 

@@ -3,7 +3,7 @@
 Role: what the daemon computes between "a change was confirmed" and "decide": the search
 problem of the observed traffic (:func:`search_problem`), the allocation that runs now as the
 ALP sees it (:func:`running_allocation`), its predicted latency at the observed rates
-(:func:`predict_running`), and the :class:`optimizer.control.decide.Proposal` comparing it with the
+(:func:`predict_running`, each model's curve read where its replicas were placed), and the :class:`optimizer.control.decide.Proposal` comparing it with the
 search's result and the plan's size (:func:`make_proposal`). Also the JSON shapes of an
 allocation and a placement that the decision log and the demo report store.
 
@@ -23,8 +23,9 @@ from dataclasses import replace
 from typing import Any
 
 from optimizer.control.decide import Outlook, Proposal
-from optimizer.model import alp
+from optimizer.model import alp, colocation
 from optimizer.model.alp import ModelAlloc, Pipeline
+from optimizer.model.colocation import Placed
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement
 from optimizer.plan.observed import Observed
@@ -41,6 +42,7 @@ __all__ = [
     "make_proposal",
     "moved_fraction",
     "pipelines",
+    "placed_replicas",
     "placement_doc",
     "predict_running",
     "running_allocation",
@@ -115,15 +117,24 @@ def running_allocation(
     return out
 
 
+def placed_replicas(observed: Observed) -> tuple[Placed, ...]:
+    """The ready replicas where they run, for :mod:`optimizer.model.colocation`."""
+    return tuple(
+        Placed(r.model, r.node, r.gpus, r.share, r.tp) for r in observed.replicas if r.ready
+    )
+
+
 def predict_running(
     pipes: Mapping[str, Pipeline],
     book: ProfileBook,
     running: Running,
     rates: Mapping[str, float],
-    stat: str = "mean",
+    placed: Sequence[Placed] = (),
 ) -> dict[str, float]:
     """Predicted latency of each workflow under what runs: ``inf`` when a stage has no
-    replica or the rate is past capacity; workflows whose profiles are missing are left out."""
+    replica or the rate is past capacity; workflows whose profiles are missing are left out.
+    Each model's curve is read where ``placed`` put its replicas (packed where it is empty)."""
+    busy = colocation.placed_weights(pipes, book, placed, rates) if placed else None
     out: dict[str, float] = {}
     for w, pipe in pipes.items():
         alloc = running.get(w, {})
@@ -131,7 +142,7 @@ def predict_running(
             out[w] = math.inf
             continue
         try:
-            out[w] = alp.predict(pipe, book, alloc, rates.get(w, 0.0)).latency
+            out[w] = alp.predict(pipe, book, alloc, rates.get(w, 0.0), busy=busy).latency
         except ProfileError:
             continue
     return out

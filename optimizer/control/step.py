@@ -62,6 +62,7 @@ from optimizer.control.proposal import (
     make_proposal,
     moved_fraction,
     pipelines,
+    placed_replicas,
     predict_running,
     remembered,
     running_allocation,
@@ -200,7 +201,8 @@ def step(inp: StepInput, *, timer: Callable[[], float] = time.perf_counter) -> S
     pipes, rates, known = _traffic(inp.state, inp.stats, cfg.min_requests)
     before = replace(inp.state, known=MappingProxyType(known))
     running = running_allocation(inp.observed, pipes, rates)
-    predicted_now = predict_running(pipes, inp.book, running, rates)
+    placed = placed_replicas(inp.observed)
+    predicted_now = predict_running(pipes, inp.book, running, rates, placed)
     det = detect(
         inp.state.detector,
         snapshot_from_stats(inp.now, inp.window_s, inp.stats),

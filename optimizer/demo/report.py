@@ -28,7 +28,7 @@ import orjson
 from optimizer.control.reprofile import ReprofileRun
 from optimizer.daemon.service import TickReport
 from optimizer.model.curves import ProfileBook
-from shared.profile_points import ProfileError, ProfilePoint
+from shared.profile_points import ProfileError, ProfilePoint, packed_copies
 
 __all__ = ["Pass", "problems", "report_doc", "write_report"]
 
@@ -207,13 +207,19 @@ def report_doc(
 
 
 def profile_sources(points: Sequence[ProfilePoint]) -> dict[str, dict[str, Any]]:
-    """Per model: points from replay and from live traffic, and the keys (``tp``/``share``)
-    whose curve live points corrected, each with the replica's speed against the replay."""
+    """Per model: points from replay (and of them, those of a fractional share measured alone
+    on its GPU rather than packed next to busy copies) and from live traffic, and the keys
+    (``tp``/``share``) whose curve live points corrected, each with the replica's speed
+    against the replay."""
     book = ProfileBook(points)
     out: dict[str, dict[str, Any]] = {}
     for p in points:
-        entry = out.setdefault(p.model, {"replay": 0, "live": 0, "corrected": []})
+        entry = out.setdefault(
+            p.model, {"replay": 0, "replay_alone": 0, "live": 0, "corrected": []}
+        )
         entry["live" if p.source == "live" else "replay"] += 1
+        if p.source != "live" and p.colocation == "alone" and packed_copies(p.share) > 1:
+            entry["replay_alone"] += 1
     for key in book.live:
         try:
             prof = book.lookup(key.model, key.tp, key.share, key.engine, key.gpu_type)
@@ -332,13 +338,15 @@ def _markdown(doc: Mapping[str, Any], plots: Sequence[str]) -> str:
     lines += [
         "## Profile points: replay vs live",
         "",
-        "| model | from simulated replay | from live traffic | curves corrected "
-        "(tp/share x speed against the replay) |",
-        "|---|---|---|---|",
+        "| model | from simulated replay | of them, a share measured alone | from live traffic "
+        "| curves corrected (tp/share x speed against the replay) |",
+        "|---|---|---|---|---|",
     ]
     for model, n in doc.get("profile_points", {}).items():
         fixed = ", ".join(n["corrected"]) or "no"
-        lines.append(f"| {model} | {n['replay']} | {n['live']} | {fixed} |")
+        lines.append(
+            f"| {model} | {n['replay']} | {n.get('replay_alone', 0)} | {n['live']} | {fixed} |"
+        )
     lines += ["", "## Profiling runs the daemon started on its own", ""]
     runs = doc.get("reprofiles", [])
     if not runs:

@@ -262,12 +262,16 @@ def predict(
     rate: float,
     stat: Stat = "mean",
     pooling: bool = True,
+    busy: Mapping[str, float] | None = None,
 ) -> Prediction:
-    """Latency and throughput of ``pipeline`` at ``rate`` requests/s under ``allocation``."""
+    """Latency and throughput of ``pipeline`` at ``rate`` requests/s under ``allocation``;
+    ``busy``: per model, the packed curve's weight where it was placed
+    (:mod:`optimizer.model.colocation`; a model left out, or ``None``: the packed curve)."""
     stages = []
     for st in pipeline.stages:
         alloc = allocation[st.model]
-        prof = book.lookup(st.model, alloc.tp, alloc.share)
+        weight = None if busy is None else busy.get(st.model)
+        prof = book.lookup(st.model, alloc.tp, alloc.share, busy=weight)
         slow = prof.pessimistic()
         call_rate = rate * st.n / alloc.replicas
         call_latency = float(_stage_latency(prof, call_rate, alloc.replicas, stat, pooling, st.n))

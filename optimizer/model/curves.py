@@ -229,18 +229,38 @@ class Profile:
 class ProfileBook:
     """Every profile of a cluster, looked up by model, TP degree and share: the replayed
     curves, corrected by the live points of their keys (``profiles``; ``live`` holds the
-    live points by key)."""
+    live points by key). A key's replayed curve is made of its packed or unrecorded points,
+    else of its alone points; where a key was measured both packed and alone, the alone
+    curves make a second book (``alone``) that :meth:`lookup` blends in by a placement's
+    neighbours (:mod:`optimizer.model.colocation`)."""
 
-    def __init__(self, points: Iterable[ProfilePoint]) -> None:
+    def __init__(self, points: Iterable[ProfilePoint], *, live_too: bool = True) -> None:
         replay: dict[ProfileKey, list[ProfilePoint]] = {}
+        alone: dict[ProfileKey, list[ProfilePoint]] = {}
         live: dict[ProfileKey, list[ProfilePoint]] = {}
         for p in points:
-            (live if p.source == "live" else replay).setdefault(p.key, []).append(p)
+            if p.source == "live":
+                if live_too:
+                    live.setdefault(p.key, []).append(p)
+            else:
+                (alone if p.colocation == "alone" else replay).setdefault(p.key, []).append(p)
+        both = sorted(k for k in alone if k in replay)
+        for k, ps in alone.items():
+            replay.setdefault(k, ps)
         self.live = {k: tuple(v) for k, v in sorted(live.items())}
         self._replayed = {k: Profile.from_points(v) for k, v in sorted(replay.items())}
         self.profiles = {k: p.corrected(self.live.get(k, ())) for k, p in self._replayed.items()}
         self.betas = Betas.fitted(self._replayed.values())  # the book's share pairs' β
-        self._scaled: dict[tuple[ProfileKey, ProfileKey], Profile] = {}
+        self._scaled: dict[ProfileKey, Profile] = {}
+        self._blended: dict[tuple[ProfileKey, float], Profile] = {}
+        # the alone ends: each key's alone points where it has them, else its one curve
+        self.alone = (
+            ProfileBook(
+                [p for k, ps in replay.items() for p in (alone.get(k) or ps)], live_too=False
+            )
+            if both
+            else None
+        )
 
     def lookup(
         self,
@@ -249,12 +269,34 @@ class ProfileBook:
         share: float,
         engine: str | None = None,
         gpu_type: str | None = None,
+        busy: float | None = None,
     ) -> Profile:
         """The measured curve; else, between two measured shares, the two interpolated;
         else the nearest larger (else largest) measured share of the same model/TP moved to
         ``share`` by the share model (:mod:`optimizer.model.shares`, ``β`` from the book's
         share pairs). A derived curve is flagged by ``scaled_from`` and carries its
-        ``uncertainty``; either is corrected by the live points of its own key."""
+        ``uncertainty``; either is corrected by the live points of its own key.
+
+        ``busy``: the packed curve's weight for a placed replica
+        (:mod:`optimizer.model.colocation`); where the book has alone curves, the
+        replayed (or derived) alone and packed curves are blended by it before the live
+        correction. ``None``: the packed curve, as where the book has no alone curves."""
+        if busy is None or self.alone is None:
+            return self._lookup(model, tp, share, engine, gpu_type)
+        target, packed = self._replay_curve(model, tp, share, engine, gpu_type)
+        w = round(min(max(busy, 0.0), 1.0), 3)
+        got = self._blended.get((target, w))
+        if got is None:
+            _, alone = self.alone._replay_curve(model, tp, share, engine, gpu_type)
+            mixed = shares.blend(replace(alone, key=target), packed, w)
+            live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
+            got = shares.after_live(mixed.corrected(live))
+            self._blended[(target, w)] = got
+        return got
+
+    def _candidates(
+        self, model: str, tp: int, engine: str | None, gpu_type: str | None
+    ) -> list[ProfileKey]:
         candidates = [
             k
             for k in self._replayed
@@ -265,29 +307,43 @@ class ProfileBook:
         ]
         if not candidates:
             raise ProfileError(f"no profile for model {model!r} at tp={tp}")
+        return candidates
+
+    def _replay_curve(
+        self, model: str, tp: int, share: float, engine: str | None, gpu_type: str | None
+    ) -> tuple[ProfileKey, Profile]:
+        """The key looked up and its replayed, interpolated or derived curve, uncorrected."""
+        candidates = self._candidates(model, tp, engine, gpu_type)
         for k in candidates:
             if abs(k.share - share) < 1e-9:
-                return self.profiles[k]
+                return k, self._replayed[k]
         larger = [k for k in candidates if k.share > share]
         base = (
             min(larger, key=lambda k: k.share) if larger else max(candidates, key=lambda k: k.share)
         )
+        smaller = [
+            k
+            for k in candidates
+            if k.share < share and (k.engine, k.gpu_type) == (base.engine, base.gpu_type)
+        ]
         target = replace(base, share=share)
-        got = self._scaled.get((base, target))
+        if larger and smaller:
+            low = max(smaller, key=lambda k: k.share)
+            return target, shares.interpolated(self._replayed[low], self._replayed[base], share)
+        return target, shares.derived(self._replayed[base], share, self.betas.for_model(model))
+
+    def _lookup(
+        self, model: str, tp: int, share: float, engine: str | None, gpu_type: str | None
+    ) -> Profile:
+        for k in self._candidates(model, tp, engine, gpu_type):
+            if abs(k.share - share) < 1e-9:
+                return self.profiles[k]
+        target, moved = self._replay_curve(model, tp, share, engine, gpu_type)
+        got = self._scaled.get(target)
         if got is None:
-            smaller = [
-                k
-                for k in candidates
-                if k.share < share and (k.engine, k.gpu_type) == (base.engine, base.gpu_type)
-            ]
-            if larger and smaller:
-                low = max(smaller, key=lambda k: k.share)
-                moved = shares.interpolated(self._replayed[low], self._replayed[base], share)
-            else:
-                moved = shares.derived(self._replayed[base], share, self.betas.for_model(model))
             live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
             got = shares.after_live(moved.corrected(live))
-            self._scaled[(base, target)] = got
+            self._scaled[target] = got
         return got
 
 

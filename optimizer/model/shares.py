@@ -203,6 +203,33 @@ def interpolated(lower: Profile, upper: Profile, share: float) -> Profile:
     )
 
 
+def blend(alone: Profile, packed: Profile, w: float) -> Profile:
+    """The curve ``w`` of the way from ``alone`` to ``packed`` (one key, measured alone and
+    next to busy copies; :mod:`optimizer.model.colocation` says which ``w``): blended at equal
+    utilisation, latency linearly, saturation geometrically; exactly each end at 0 and 1."""
+    if w <= 0.0:
+        return alone
+    if w >= 1.0:
+        return packed
+    rho_a = alone.rates / alone.saturation
+    rho_p = packed.rates / packed.saturation
+    rho = np.union1d(rho_a, rho_p)
+    saturation = alone.saturation ** (1.0 - w) * packed.saturation**w
+    lat = {
+        k: (1.0 - w) * np.interp(rho, rho_a, alone.lat[k]) + w * np.interp(rho, rho_p, v)
+        for k, v in packed.lat.items()
+    }
+    return replace(
+        packed,
+        saturation=saturation,
+        saturated=alone.saturated and packed.saturated,
+        rates=rho * saturation,
+        lat=lat,
+        ttft_mean=(1.0 - w) * alone.ttft_mean + w * packed.ttft_mean,
+        uncertainty=(1.0 - w) * alone.uncertainty + w * packed.uncertainty,
+    )
+
+
 def after_live(prof: Profile) -> Profile:
     """``prof`` with its uncertainty narrowed by the live points that corrected it."""
     if not prof.corrected_by or not prof.uncertainty:

@@ -178,6 +178,7 @@ def summarise_point(
         lat_p99=p99,
         ttft_mean=float(ttft.mean()) if ttft.size else math.inf,
         n_calls=sum(1 for t in sent_at if t_w <= t < t_e),
+        colocation="alone",  # the profiled replica runs by itself on its GPUs
     )
     return point, sum(1 for c in timings if not c.ok and c.end is not None)
 

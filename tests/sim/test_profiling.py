@@ -351,10 +351,19 @@ def test_the_demo_profiles_command_writes_simulated_points_of_every_demo_model(
     assert quarter == models - {"llama-3.1-8b-prm", "llama-3-8b"}
     for model in quarter:
         whole = Profile.from_points([p for p in points if p.model == model and p.share == 1.0])
-        measured = Profile.from_points([p for p in points if p.model == model and p.share == 0.25])
+        ends = {
+            c: Profile.from_points(
+                [p for p in points if p.model == model and p.share == 0.25 and p.colocation == c]
+            )
+            for c in ("packed", "alone")
+        }
+        measured = ends["packed"]
         light = 0.2 * measured.saturation
         linear = whole.scaled(0.25, Beta(1.0, "model"))  # latency stretched by 1 / share
         assert float(measured.latency(light)) < float(linear.latency(light))
+        # a quarter is measured next to three busy copies and alone; alone it is never slower
+        assert ends["alone"].saturation >= 0.95 * measured.saturation
+    assert {p.colocation for p in whole_gpu} == {"alone"}
 
 
 def test_the_profiles_command_refuses_a_share_outside_0_1() -> None:

@@ -21,9 +21,16 @@ def test_each_model_counts_its_replay_and_live_points_and_names_corrected_curves
     replay = [_p("a", r) for r in (1.0, 2.0, 3.0)]
     live = [replace(_p("a", 2.0), lat_mean=0.5, source="live", observed_at=9.0)]
     orphan = [replace(_p("b", 1.0), source="live", observed_at=9.0)]  # no replayed curve
-    got = profile_sources(replay + live + orphan)
+    # a half share measured packed and alone; a whole GPU "alone" is no second end
+    ends = [replace(_p("c", 1.0, 0.5), colocation=c) for c in ("packed", "alone", "alone")]
+    ends.append(replace(_p("c", 2.0), colocation="alone"))
+    got = profile_sources(replay + live + orphan + ends)
     (fixed,) = got["a"].pop("corrected")
-    assert got == {"a": {"replay": 3, "live": 1}, "b": {"replay": 0, "live": 1, "corrected": []}}
+    assert got == {
+        "a": {"replay": 3, "replay_alone": 0, "live": 1},
+        "b": {"replay": 0, "replay_alone": 0, "live": 1, "corrected": []},
+        "c": {"replay": 4, "replay_alone": 2, "live": 0, "corrected": []},
+    }
     # the live replica read half the flat curve's latency: twice its speed
     assert fixed == "tp1/1 x2.00"
 

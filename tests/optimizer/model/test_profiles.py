@@ -308,4 +308,6 @@ def test_json_source_is_validated() -> None:
     old += b'"offered_rate": 1, "throughput": 1, "lat_mean": 1, "lat_p50": 1, "lat_p90": 1, '
     old += b'"lat_p99": 1, "ttft_mean": 0.1, "n_calls": 10}]}'
     (p,) = import_json(old)
-    assert (p.source, p.observed_at) == ("replay", 0.0)
+    assert (p.source, p.observed_at, p.colocation) == ("replay", 0.0, "")
+    with pytest.raises(ProfileError, match="colocation"):
+        import_json(export_json([replace(points[0], colocation="crowded")]))

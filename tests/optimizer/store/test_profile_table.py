@@ -32,15 +32,23 @@ def _old_table(store: Path) -> None:
 def test_an_old_table_reads_as_replay_points_and_is_migrated_on_write(tmp_path: Path) -> None:
     _old_table(tmp_path)
     (old,) = load_points(tmp_path)
-    assert (old.source, old.observed_at, old.lat_mean) == ("replay", 0.0, 0.5)
+    assert (old.source, old.observed_at, old.lat_mean, old.colocation) == ("replay", 0.0, 0.5, "")
     fresh = ProfilePoint("m", "e", "a6000", 1, 0.5, 3, 3, 0.4, 0.4, 0.5, 0.6, 0.1, 40)
     live = replace(fresh, source="live", observed_at=123.0)
     save_points(tmp_path, [live])
     got = load_points(tmp_path)
     assert got == [live, old]  # by key: share 0.5 first
+    # a key measured alone and packed keeps both ends
+    ends = [replace(fresh, colocation="alone"), replace(fresh, lat_mean=0.7, colocation="packed")]
+    save_points(tmp_path, ends)
+    assert sorted(p.colocation for p in load_points(tmp_path) if p.source == "replay") == [
+        "",
+        "alone",
+        "packed",
+    ]
     con = duckdb.connect(str(db_path(tmp_path)), read_only=True)
     try:
         cols = {r[1] for r in con.execute("PRAGMA table_info('profile')").fetchall()}
     finally:
         con.close()
-    assert {"source", "observed_at"} <= cols
+    assert {"source", "observed_at", "colocation"} <= cols

@@ -1,0 +1,161 @@
+"""optimizer.model.colocation: a placed replica's curve between its alone and packed profiles."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optimizer.model import alp, colocation
+from optimizer.model.alp import ModelAlloc, Pipeline, Stage
+from optimizer.model.colocation import (
+    Placed,
+    busy_probability,
+    capacity_weights,
+    settle,
+    weights,
+)
+from optimizer.model.curves import Profile, ProfileBook
+from optimizer.model.shares import blend
+from shared.profile_points import ProfilePoint
+from tests.optimizer.model.test_shares import queue
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tagged(points: list[ProfilePoint], colocation: str) -> list[ProfilePoint]:
+    return [replace(p, colocation=colocation) for p in points]
+
+
+def two_ends(model: str = "gen", share: float = 0.5) -> list[ProfilePoint]:
+    """A share measured alone (fast: light 1 s, 10 calls/s) and packed next to a busy copy
+    (light 1.6 s, 7 calls/s), plus the whole GPU."""
+    return (
+        tagged(queue(model, share, saturation=10.0, light=1.0), "alone")
+        + tagged(queue(model, share, saturation=7.0, light=1.6), "packed")
+        + tagged(queue(model, 1.0, saturation=16.0, light=0.9), "alone")
+    )
+
+
+def test_the_ends_are_the_measured_curves() -> None:
+    a = Profile.from_points(tagged(queue(light=1.0), "alone"))
+    p = Profile.from_points(tagged(queue(saturation=7.0, light=1.6), "packed"))
+    assert blend(a, p, 0.0) is a
+    assert blend(a, p, 1.0) is p
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.01, 0.99), st.floats(0.0, 1.2))
+def test_a_blend_lies_between_the_ends_at_equal_utilisation(w: float, rho: float) -> None:
+    a = Profile.from_points(queue(saturation=10.0, light=1.0))
+    p = Profile.from_points(queue(saturation=7.0, light=1.6))
+    b = blend(a, p, w)
+    assert p.saturation <= b.saturation <= a.saturation
+    lat = b.latency(rho * b.saturation)
+    lo, hi = sorted((float(a.latency(rho * a.saturation)), float(p.latency(rho * p.saturation))))
+    if np.isfinite(lat):
+        assert lo - 1e-9 <= float(lat) <= hi + 1e-9
+    curve = b.latency(np.linspace(0.0, b.saturation * 1.1, 50))
+    finite = curve[np.isfinite(curve)]
+    assert np.all(np.diff(finite) >= 0) and np.isinf(curve[-1])  # still a curve
+
+
+def test_busy_probability() -> None:
+    assert busy_probability(0.0, 5.0) == 0.0
+    assert busy_probability(1.0, float("inf")) == 1.0
+    assert busy_probability(2.0, 0.5) == pytest.approx(1 - np.exp(-1.0))
+
+
+def test_weights_read_the_packed_profile_where_the_placement_reproduces_it() -> None:
+    twins = [Placed("gen", "n", (0,), 0.5), Placed("gen", "n", (0,), 0.5)]
+    assert weights(twins, {"gen": 0.7}) == {"gen": 1.0}
+    # a neighbour half as busy brings half the contention; an idle one none
+    mixed = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
+    assert weights(mixed, {"gen": 0.8, "emb": 0.4})["gen"] == pytest.approx(0.5)
+    assert weights(mixed, {"gen": 0.8, "emb": 0.0})["gen"] == 0.0
+    # more contention than the profile saw is not extrapolated
+    assert weights(mixed, {"gen": 0.2, "emb": 1.0})["gen"] == 1.0
+    # alone on its GPU, or on another GPU: nothing
+    apart = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (1,), 0.5)]
+    assert weights(apart, {"gen": 0.8, "emb": 1.0})["gen"] == 0.0
+    # two quarters beside a quarter copy at the same load: two of its three packed neighbours
+    quarters = [Placed("q", "n", (0,), 0.25)] * 3
+    assert weights(quarters, {"q": 0.6})["q"] == pytest.approx(2 / 3)
+    # tensor parallel: the busiest of its GPUs
+    tp = [
+        Placed("big", "n", (0, 1), 0.5, tp=2),
+        Placed("emb", "n", (1,), 0.5),
+    ]
+    assert weights(tp, {"big": 0.5, "emb": 0.5})["big"] == 1.0
+
+
+def test_the_book_blends_only_where_a_key_was_measured_both_ways() -> None:
+    legacy = ProfileBook(queue("gen", 0.5, light=1.6))
+    assert legacy.alone is None
+    assert legacy.lookup("gen", 1, 0.5, busy=0.0) is legacy.lookup("gen", 1, 0.5)
+    book = ProfileBook(two_ends())
+    packed = book.lookup("gen", 1, 0.5)
+    assert packed.saturation == pytest.approx(7.0, rel=1e-3)  # the default is the packed end
+    alone = book.lookup("gen", 1, 0.5, busy=0.0)
+    assert alone.saturation == pytest.approx(10.0, rel=1e-3)
+    assert float(alone.latency(1.0)) < float(packed.latency(1.0))
+    assert book.lookup("gen", 1, 0.5, busy=1.0).saturation == pytest.approx(7.0, rel=1e-3)
+    half = book.lookup("gen", 1, 0.5, busy=0.5)
+    assert 7.0 < half.saturation < 10.0
+    # a share that was not profiled blends the two ends derived to it
+    quarter_alone = book.lookup("gen", 1, 0.25, busy=0.0)
+    quarter_packed = book.lookup("gen", 1, 0.25, busy=1.0)
+    assert quarter_alone.saturation > quarter_packed.saturation
+    assert quarter_packed.saturation == pytest.approx(book.lookup("gen", 1, 0.25).saturation)
+
+
+def test_a_key_measured_only_alone_is_its_own_curve() -> None:
+    book = ProfileBook(tagged(queue("gen", 0.5, saturation=9.0), "alone"))
+    assert book.lookup("gen", 1, 0.5).saturation == pytest.approx(9.0, rel=1e-3)
+
+
+def test_live_points_correct_the_blended_curve() -> None:
+    live = ProfilePoint(
+        "gen", "emulator", "H100", 1, 0.5, 2.0, 2.0, 3.0, 2.4, 4.5, 6.0, 0.2, 40,
+        source="live", observed_at=100.0,
+    )  # fmt: skip
+    book = ProfileBook([*two_ends(), live])
+    corrected = book.lookup("gen", 1, 0.5, busy=0.0)
+    assert corrected.corrected_by == 1
+    assert float(corrected.latency(2.0)) == pytest.approx(3.0, rel=0.02)
+
+
+def test_settle_reads_idle_neighbours_as_alone_and_busy_copies_as_packed() -> None:
+    book = ProfileBook(two_ends("gen") + two_ends("emb"))
+    beside_idle = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
+    w = settle(book, beside_idle, {"gen": 3.0, "emb": 0.0})
+    assert w["gen"] == 0.0 and w["emb"] > 0.0
+    twins = [Placed("gen", "n", (0,), 0.5), Placed("gen", "n", (0,), 0.5)]
+    assert settle(book, twins, {"gen": 3.0}) == {"gen": 1.0}
+    # both busy: somewhere between, and the more loaded neighbour weighs more
+    w = settle(book, beside_idle, {"gen": 3.0, "emb": 1.0})
+    assert 0.0 < w["gen"] < 1.0 and w["emb"] == 1.0
+    assert colocation.SETTLE_ROUNDS >= 2
+
+
+def test_capacity_reads_neighbours_as_busy_as_the_workflow_at_its_capacity() -> None:
+    book = ProfileBook(two_ends("gen") + two_ends("emb"))
+    pipe = Pipeline("wf", (Stage("gen", 1.0, 1.0), Stage("emb", 1.0, 1.0)), 1.0, 0.0)
+    allocation = {"gen": ModelAlloc(1, 1, 0.5), "emb": ModelAlloc(1, 1, 0.5)}
+    together = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
+    apart = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (1,), 0.5)]
+    packed = alp.predict(pipe, book, allocation, 0.0).throughput
+    shared = alp.predict(
+        pipe, book, allocation, 0.0, busy=capacity_weights(pipe, book, allocation, together)
+    ).throughput
+    alone = alp.predict(
+        pipe, book, allocation, 0.0, busy=capacity_weights(pipe, book, allocation, apart)
+    ).throughput
+    # at capacity both are busy: two models sharing a GPU read (nearly) as packed; on GPUs
+    # of their own, as measured alone
+    assert packed == pytest.approx(7.0, rel=1e-3)
+    assert shared < 0.5 * (packed + alone)
+    assert alone == pytest.approx(10.0, rel=1e-3)
