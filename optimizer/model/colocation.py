@@ -11,7 +11,8 @@ whose replicas' loads depend on each other's weights; :func:`placed_weights` at 
 workflow rates, :func:`capacity_weights` at a workflow's own capacity.
 
 The model. A replica is busy (has work, so contends for SMs and bandwidth) with probability
-``b = 1 - exp(-λ L)``: ``λ L`` calls in flight (Little's law), Poisson-distributed. A replica of
+``b = 1 - exp(-λ L / p)``: ``λ L`` calls in flight (Little's law), in groups of the ``p`` a
+request runs at once, the groups Poisson-distributed. A replica of
 share ``s`` at call rate ``λ`` has *neighbour load* ``Σ_j s_j b_j`` over the other replicas on
 its GPUs (the busiest of its GPUs under tensor parallelism). Its packed profile at the same
 ``λ`` had ``(k - 1)`` copies of share ``s`` beside it, each as busy as itself: a load
@@ -53,14 +54,15 @@ class Placed:
     tp: int = 1
 
 
-def busy_probability(call_rate: float, latency: float) -> float:
-    """P(the replica has work) at ``call_rate`` calls/s of ``latency`` s each (module
+def busy_probability(call_rate: float, latency: float, parallel: float = 1.0) -> float:
+    """P(the replica has work) at ``call_rate`` calls/s of ``latency`` s each, arriving
+    ``parallel`` at a time (a request's calls that run together keep it busy once; module
     docstring): 1 past saturation (``latency`` infinite)."""
     if call_rate <= 0.0:
         return 0.0
     if not math.isfinite(latency):
         return 1.0
-    return 1.0 - math.exp(-call_rate * max(latency, 0.0))
+    return 1.0 - math.exp(-call_rate * max(latency, 0.0) / max(parallel, 1.0))
 
 
 def weights(placed: Sequence[Placed], busy: Mapping[str, float]) -> dict[str, float]:
@@ -89,12 +91,16 @@ def weights(placed: Sequence[Placed], busy: Mapping[str, float]) -> dict[str, fl
 
 
 def settle(
-    book: ProfileBook, placed: Sequence[Placed], call_rates: Mapping[str, float]
+    book: ProfileBook,
+    placed: Sequence[Placed],
+    call_rates: Mapping[str, float],
+    parallel: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Each placed model's weight where the placement settles: ``call_rates`` (calls/s per
-    replica, by model) read on the curves of the current weights give busy probabilities,
-    those give new weights; from all-packed (1), :data:`SETTLE_ROUNDS` rounds. A model with
-    no curve counts as idle."""
+    replica, by model; ``parallel`` of them at a time, default 1) read on the curves of the
+    current weights give busy probabilities, those give new weights; from all-packed (1),
+    :data:`SETTLE_ROUNDS` rounds. A model with no curve counts as idle."""
+    together = parallel or {}
     configs = {r.model: (r.tp, r.share) for r in placed}
     w = dict.fromkeys(configs, 1.0)
     for _ in range(SETTLE_ROUNDS):
@@ -105,7 +111,8 @@ def settle(
                 prof = book.lookup(model, tp, share, busy=w[model])
             except ValueError:
                 continue
-            busy[model] = busy_probability(rate, float(prof.latency(rate)))
+            lat = float(prof.latency(rate))
+            busy[model] = busy_probability(rate, lat, together.get(model, 1.0))
         w = {m: weights(placed, busy).get(m, 1.0) for m in configs}
     return w
 
@@ -117,14 +124,19 @@ def placed_weights(
     rates: Mapping[str, float],
 ) -> dict[str, float]:
     """Per placed model, its packed curve's weight at workflow ``rates``: each model's calls
-    (over every workflow's pipeline) spread evenly over its placed replicas, then
-    :func:`settle`."""
+    (over every workflow's pipeline) spread evenly over its placed replicas, ``p_m`` at a time
+    (the workflows' mean, weighted by their calls), then :func:`settle`."""
     replicas = Counter(r.model for r in placed)
     calls: dict[str, float] = {}
+    weighted_p: dict[str, float] = {}
     for w, pipe in pipes.items():
         for st in pipe.stages:
-            calls[st.model] = calls.get(st.model, 0.0) + rates.get(w, 0.0) * st.n
-    return settle(book, placed, {m: calls.get(m, 0.0) / n for m, n in replicas.items()})
+            c = rates.get(w, 0.0) * st.n
+            calls[st.model] = calls.get(st.model, 0.0) + c
+            weighted_p[st.model] = weighted_p.get(st.model, 0.0) + c * st.p
+    parallel = {m: weighted_p[m] / c for m, c in calls.items() if c > 0}
+    per_replica = {m: calls.get(m, 0.0) / n for m, n in replicas.items()}
+    return settle(book, placed, per_replica, parallel)
 
 
 def capacity_weights(

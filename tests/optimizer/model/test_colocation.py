@@ -67,6 +67,8 @@ def test_busy_probability() -> None:
     assert busy_probability(0.0, 5.0) == 0.0
     assert busy_probability(1.0, float("inf")) == 1.0
     assert busy_probability(2.0, 0.5) == pytest.approx(1 - np.exp(-1.0))
+    # four calls of a request at once keep the replica busy once
+    assert busy_probability(2.0, 0.5, parallel=4.0) == pytest.approx(1 - np.exp(-0.25))
 
 
 def test_weights_read_the_packed_profile_where_the_placement_reproduces_it() -> None:
