@@ -44,6 +44,7 @@ __all__ = [
     "pipelines",
     "placed_replicas",
     "placement_doc",
+    "predict_placed",
     "predict_running",
     "running_allocation",
     "search_problem",
@@ -195,15 +196,48 @@ def moved_fraction(plan: Plan) -> float:
     return min(1.0, started / total) if total else 0.0
 
 
+def predict_placed(
+    pipes: Mapping[str, Pipeline],
+    book: ProfileBook,
+    result: SearchResult,
+    placement: Placement,
+    rates: Mapping[str, float],
+) -> dict[str, float]:
+    """The search's allocation predicted where ``placement`` puts it, at the observed
+    ``rates``, as :func:`predict_running` predicts what runs: so that the proposal's latency
+    and the running one's are read the same way (the search itself ranks on packed curves)."""
+    placed = tuple(
+        Placed(r.demand.model, r.node, r.gpus, r.share, r.demand.tp) for r in placement.replicas
+    )
+    busy = colocation.placed_weights(pipes, book, placed, rates)
+    out: dict[str, float] = {}
+    for w in result.workflows:
+        alloc = {m.model: m.alloc for m in w.models}
+        pipe = pipes.get(w.workflow)
+        if pipe is None or not w.feasible or any(st.model not in alloc for st in pipe.stages):
+            continue
+        out[w.workflow] = alp.predict(
+            pipe, book, alloc, rates.get(w.workflow, w.rate), busy=busy
+        ).latency
+    return out
+
+
 def make_proposal(
-    result: SearchResult, plan: Plan, current: Mapping[str, float], rates: Mapping[str, float]
+    result: SearchResult,
+    plan: Plan,
+    current: Mapping[str, float],
+    rates: Mapping[str, float],
+    proposed: Mapping[str, float] | None = None,
 ) -> Proposal:
+    """``proposed``: the allocation's latency where it was placed (:func:`predict_placed`);
+    a workflow left out reads the search's own prediction."""
+    where = proposed or {}
     outlook = tuple(
         Outlook(
             w.workflow,
             rates.get(w.workflow, w.rate),
             current.get(w.workflow, math.inf),
-            w.latency if w.feasible else math.inf,
+            where.get(w.workflow, w.latency) if w.feasible else math.inf,
         )
         for w in result.workflows
     )

@@ -63,6 +63,7 @@ from optimizer.control.proposal import (
     moved_fraction,
     pipelines,
     placed_replicas,
+    predict_placed,
     predict_running,
     remembered,
     running_allocation,
@@ -281,7 +282,8 @@ def _replan(
                     "get calls from a workflow without enough requests to plan for yet",
                 )
             )
-        proposal = make_proposal(placed.result, plan, seen.predicted_now, rates)
+        where = predict_placed(pipes, inp.book, placed.result, placement, rates)
+        proposal = make_proposal(placed.result, plan, seen.predicted_now, rates, where)
     except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
         return held(*failed(prior, det, f"{type(exc).__name__}: {exc}"))
     decision, detector = judge(prior, det, proposal, cfg)

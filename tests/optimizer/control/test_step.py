@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -161,13 +162,17 @@ class Loop:
     """Carries the state as the daemon does: the step's, or after a rollout (which takes
     ``rollout_s`` and leaves the plan's target running) the one its outcome settles."""
 
-    def __init__(self, settings: Settings, rollout_s: float = 5.0) -> None:
-        self.settings, self.rollout_s = settings, rollout_s
+    def __init__(
+        self, settings: Settings, rollout_s: float = 5.0, book: ProfileBook = BOOK
+    ) -> None:
+        self.settings, self.rollout_s, self.book = settings, rollout_s, book
         self.state, self.observed, self.t = ControlState(), Observed(), T
         self.outs: list[StepOutput] = []
 
     def tick(self, rate: float, latency: float = 1.5) -> StepOutput:
-        out = _step(self.state, _stats(rate, latency), self.observed, self.settings, self.t)
+        out = _step(
+            self.state, _stats(rate, latency), self.observed, self.settings, self.t, self.book
+        )
         if out.decision.taken:
             assert out.plan is not None
             self.state = out.after_rollout(self.t + self.rollout_s, ok=True)
@@ -410,3 +415,44 @@ def test_the_rollout_goes_to_the_layout_with_the_fewest_cold_start_rounds() -> N
     alone = Observed(observed.replicas[:1], observed.routes[:1])  # a's only replica on GPU 0
     unsafe = make_plan(alone, group_specs([spec("a", 0, 0.5), spec("b", 0, 0.5)]))
     assert not unsafe.safe and quickest([(unsafe, "unsafe")]) is None
+
+
+def _ends(share: float, slow: float, colocation: str) -> list[ProfilePoint]:
+    """Every RAG model at ``share``: the whole GPU's curve ``slow`` x slower, ``share`` x
+    the rate."""
+    return [
+        replace(
+            p,
+            share=share,
+            offered_rate=p.offered_rate * share,
+            throughput=p.throughput * share,
+            lat_mean=p.lat_mean * slow,
+            lat_p50=p.lat_p50 * slow,
+            colocation=colocation,
+        )
+        for p in _points()
+    ]
+
+
+def test_the_proposal_and_what_runs_are_predicted_where_they_are_placed() -> None:
+    # shares measured alone and packed: an allocation is read between them by its placement,
+    # the proposal's as what runs, so the same allocation in the same place reads the same
+    book = ProfileBook(
+        _points()
+        + [
+            p
+            for s in (0.5, 0.25)
+            for c, slow in (("alone", 1.2), ("packed", 2.0))
+            for p in _ends(s, slow * (1 / s) ** 0.3, c)
+        ]
+    )
+    loop = Loop(_settings(gpus=2), book=book)
+    loop.tick(1.0)
+    loop.tick(3.0)
+    out = loop.tick(3.0)
+    assert out.decision.kind == "unchanged" and out.proposal is not None
+    (rag,) = [o for o in out.proposal.outlook if o.workflow == "rag"]
+    assert math.isclose(rag.proposed, rag.current, rel_tol=1e-9)
+    assert out.result is not None
+    (searched,) = [w for w in out.result.workflows if w.workflow == "rag"]
+    assert rag.proposed <= searched.latency  # the search ranks on the packed end
