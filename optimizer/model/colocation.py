@@ -12,17 +12,23 @@ workflow rates, :func:`capacity_weights` at a workflow's own capacity.
 
 The model. A replica is busy (has work, so contends for SMs and bandwidth) with probability
 ``b = 1 - exp(-λ L / p)``: ``λ L`` calls in flight (Little's law), in groups of the ``p`` a
-request runs at once, the groups Poisson-distributed. A replica of
-share ``s`` at call rate ``λ`` has *neighbour load* ``Σ_j s_j b_j`` over the other replicas on
-its GPUs (the busiest of its GPUs under tensor parallelism). Its packed profile at the same
-``λ`` had ``(k - 1)`` copies of share ``s`` beside it, each as busy as itself: a load
-``(k - 1) s b``, with ``k = packed_copies(s)``. The weight of the packed curve is their ratio,
-clipped to ``[0, 1]``: a placement that reproduces the packed profile reads exactly it (1),
-idle neighbours read the alone curve (0), and more contention than the profile saw is not
-extrapolated (1). The two curves are blended at equal utilisation ``rho = λ / T``: latency
-linearly in the weight, saturation geometrically (as two shares are bridged,
-:func:`optimizer.model.shares.interpolated`), so the blend is non-decreasing in ``λ`` and ends
-exactly at both measured curves.
+request runs at once, the groups Poisson-distributed. While it has work a share draws
+``q`` of a whole GPU's service (its *demand*): alone a share keeps more than its part of the
+GPU (the memory bandwidth above all), ``q = s^gamma`` with the book's ``gamma`` for the model's
+alone shares (:func:`optimizer.model.shares.pair_gamma`); where the share was measured packed
+next to ``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that
+profile's contention ``T_alone / T_packed``. Co-located clients share the GPU like the
+simulator's (``sim.perf.contention``): while the sum of the busy ones' demands exceeds 1,
+each runs that many times slower than alone. A placed replica's expected contention is
+``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its GPUs under
+tensor parallelism). The packed end stands for contention ``C_ref``: for a measured packed
+share its own (``q (1 + (k - 1) b)``, the copies as busy as itself), for a derived one the
+ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (clipped to
+``[0, 1]``) makes the blend's capacity, geometric in ``w``, the alone capacity over ``C``: a
+placement that reproduces the packed profile reads exactly it (1), idle neighbours the alone
+curve (0), and more contention than the packed end's is not extrapolated (1). The two curves
+are blended at equal utilisation (:func:`optimizer.model.shares.blend`), so the blend is
+non-decreasing in ``λ`` and ends exactly at both measured curves.
 
 Invariants: pure functions of frozen data; a weight is in ``[0, 1]``; a placement that
 reproduces a packed profile gets weight 1, a replica alone on its GPUs 0.
@@ -38,7 +44,6 @@ from dataclasses import dataclass
 from optimizer.model import alp
 from optimizer.model.alp import ModelAlloc, Pipeline
 from optimizer.model.curves import ProfileBook
-from shared.profile_points import packed_copies
 
 SETTLE_ROUNDS = 4  # weights -> latencies -> busy -> weights; moves < 1% after three here
 
@@ -65,28 +70,77 @@ def busy_probability(call_rate: float, latency: float, parallel: float = 1.0) ->
     return 1.0 - math.exp(-call_rate * max(latency, 0.0) / max(parallel, 1.0))
 
 
-def weights(placed: Sequence[Placed], busy: Mapping[str, float]) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class Ends:
+    """What a model's share draws and where its two curves lie (module docstring):
+    ``demand`` ``q``, the packed end's contention ``contended`` (``T_alone / T_packed``, at
+    least 1) and the copies it was measured next to (``copies``, 0 where it was derived)."""
+
+    demand: float
+    contended: float = 1.0
+    copies: int = 0
+
+
+def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
+    """The :class:`Ends` of ``model`` at ``(tp, share)`` in ``book``."""
+    if book.alone is None:
+        return Ends(share)
+    alone, packed = book.end_curves(model, tp, share)
+    contended = max(1.0, alone.saturation / packed.saturation)
+    copies = book.measured_copies(model, tp, share)
+    if copies > 1:
+        return Ends(contended / copies, contended, copies)
+    return Ends(share ** book.alone.betas.for_model(model).gamma, contended)
+
+
+def weight(demand: float, load: float, reference: float) -> float:
+    """The packed curve's weight of a replica drawing ``demand`` beside neighbours drawing
+    ``load`` (busy-weighted) when its packed end stands for contention ``reference``: so that
+    the blend's capacity is its alone capacity over the contention ``demand + load``."""
+    c = demand + load
+    if reference > 1.0 + 1e-9:
+        return min(1.0, math.log(max(c, 1.0)) / math.log(reference))
+    if reference > demand:
+        return min(1.0, max(0.0, (c - demand) / (reference - demand)))
+    return 0.0
+
+
+def weights(
+    placed: Sequence[Placed], busy: Mapping[str, float], model_ends: Mapping[str, Ends]
+) -> dict[str, float]:
     """Per model, the packed curve's weight for its replicas (the mean over them) given each
-    model's busy probability ``busy`` (module docstring). A model missing from ``busy`` counts
-    as idle."""
+    model's busy probability ``busy`` and :class:`Ends` (module docstring). A model missing
+    from ``busy`` counts as idle, one missing from ``model_ends`` draws its share."""
     on_gpu: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(placed):
         for g in r.gpus:
             on_gpu.setdefault((r.node, g), []).append(i)
+
+    def demand(r: Placed) -> float:
+        e = model_ends.get(r.model)
+        return r.share if e is None else e.demand
+
     per_model: dict[str, list[float]] = {}
     for i, r in enumerate(placed):
-        loads = [
-            sum(
-                placed[j].share * busy.get(placed[j].model, 0.0)
-                for j in on_gpu[(r.node, g)]
-                if j != i
-            )
-            for g in r.gpus
-        ]
-        load = max(loads, default=0.0)
-        packed = (packed_copies(r.share) - 1) * r.share * busy.get(r.model, 0.0)
-        w = min(1.0, load / packed) if packed > 0 else (1.0 if load > 0 else 0.0)
-        per_model.setdefault(r.model, []).append(w)
+        load = max(
+            (
+                sum(
+                    demand(placed[j]) * busy.get(placed[j].model, 0.0)
+                    for j in on_gpu[(r.node, g)]
+                    if j != i
+                )
+                for g in r.gpus
+            ),
+            default=0.0,
+        )
+        e = model_ends.get(r.model, Ends(r.share))
+        # a measured packed end: its copies as busy as this replica; a derived one: contended
+        reference = (
+            e.demand * (1.0 + (e.copies - 1) * busy.get(r.model, 0.0))
+            if e.copies > 1
+            else e.contended
+        )
+        per_model.setdefault(r.model, []).append(weight(e.demand, load, reference))
     return {m: sum(ws) / len(ws) for m, ws in per_model.items()}
 
 
@@ -102,6 +156,12 @@ def settle(
     :data:`SETTLE_ROUNDS` rounds. A model with no curve counts as idle."""
     together = parallel or {}
     configs = {r.model: (r.tp, r.share) for r in placed}
+    model_ends: dict[str, Ends] = {}
+    for model, (tp, share) in configs.items():
+        try:
+            model_ends[model] = ends(book, model, tp, share)
+        except ValueError:
+            continue
     w = dict.fromkeys(configs, 1.0)
     for _ in range(SETTLE_ROUNDS):
         busy: dict[str, float] = {}
@@ -113,7 +173,7 @@ def settle(
                 continue
             lat = float(prof.latency(rate))
             busy[model] = busy_probability(rate, lat, together.get(model, 1.0))
-        w = {m: weights(placed, busy).get(m, 1.0) for m in configs}
+        w = {m: weights(placed, busy, model_ends).get(m, 1.0) for m in configs}
     return w
 
 

@@ -54,7 +54,7 @@ import numpy.typing as npt
 
 from optimizer.model import shares
 from optimizer.model.shares import Beta, Betas
-from shared.profile_points import ProfileError, ProfileKey, ProfilePoint
+from shared.profile_points import ProfileError, ProfileKey, ProfilePoint, packed_copies
 
 FOLLOW_TOLERANCE = 0.05  # achieved within 5% of offered: the engine keeps up
 _SLIVER = 1e-6  # T_m sits this far (relatively) above the highest point that kept up
@@ -234,7 +234,9 @@ class ProfileBook:
     curves make a second book (``alone``) that :meth:`lookup` blends in by a placement's
     neighbours (:mod:`optimizer.model.colocation`)."""
 
-    def __init__(self, points: Iterable[ProfilePoint], *, live_too: bool = True) -> None:
+    def __init__(
+        self, points: Iterable[ProfilePoint], *, live_too: bool = True, alone_ends: bool = False
+    ) -> None:
         replay: dict[ProfileKey, list[ProfilePoint]] = {}
         alone: dict[ProfileKey, list[ProfilePoint]] = {}
         live: dict[ProfileKey, list[ProfilePoint]] = {}
@@ -245,18 +247,23 @@ class ProfileBook:
             else:
                 (alone if p.colocation == "alone" else replay).setdefault(p.key, []).append(p)
         both = sorted(k for k in alone if k in replay)
+        self.both = frozenset(both)  # keys measured packed and alone
         for k, ps in alone.items():
             replay.setdefault(k, ps)
         self.live = {k: tuple(v) for k, v in sorted(live.items())}
         self._replayed = {k: Profile.from_points(v) for k, v in sorted(replay.items())}
         self.profiles = {k: p.corrected(self.live.get(k, ())) for k, p in self._replayed.items()}
-        self.betas = Betas.fitted(self._replayed.values())  # the book's share pairs' β
+        # the book's share pairs' β (and for the alone ends, gamma)
+        self.betas = Betas.fitted(self._replayed.values(), alone=alone_ends)
+        self._alone_ends = alone_ends
         self._scaled: dict[ProfileKey, Profile] = {}
         self._blended: dict[tuple[ProfileKey, float], Profile] = {}
         # the alone ends: each key's alone points where it has them, else its one curve
         self.alone = (
             ProfileBook(
-                [p for k, ps in replay.items() for p in (alone.get(k) or ps)], live_too=False
+                [p for k, ps in replay.items() for p in (alone.get(k) or ps)],
+                live_too=False,
+                alone_ends=True,
             )
             if both
             else None
@@ -294,6 +301,26 @@ class ProfileBook:
             self._blended[(target, w)] = got
         return got
 
+    def end_curves(
+        self, model: str, tp: int, share: float, engine: str | None = None
+    ) -> tuple[Profile, Profile]:
+        """The alone and the packed replayed curve of a share (measured, interpolated or
+        derived; before any live correction); both the one curve where the book has no alone
+        ends."""
+        _, packed = self._replay_curve(model, tp, share, engine, None)
+        if self.alone is None:
+            return packed, packed
+        _, alone = self.alone._replay_curve(model, tp, share, engine, None)
+        return alone, packed
+
+    def measured_copies(self, model: str, tp: int, share: float) -> int:
+        """How many copies filled the GPU when this exact share was measured packed (its alone
+        end measured too); 0 where it was not."""
+        for k in self.both:
+            if k.model == model and k.tp == tp and abs(k.share - share) < 1e-9:
+                return packed_copies(share)
+        return 0
+
     def _candidates(
         self, model: str, tp: int, engine: str | None, gpu_type: str | None
     ) -> list[ProfileKey]:
@@ -329,7 +356,9 @@ class ProfileBook:
         target = replace(base, share=share)
         if larger and smaller:
             low = max(smaller, key=lambda k: k.share)
-            return target, shares.interpolated(self._replayed[low], self._replayed[base], share)
+            return target, shares.interpolated(
+                self._replayed[low], self._replayed[base], share, self._alone_ends
+            )
         return target, shares.derived(self._replayed[base], share, self.betas.for_model(model))
 
     def _lookup(

@@ -23,6 +23,14 @@ dominates, and it scales as ``1/r`` with the capacity, so the curve moves contin
 and never more: a share is a subset of the GPU (``r · T_c`` bounds a derived share from above
 when scaled down, from below when scaled up from a smaller share).
 
+Shares measured *alone* on their GPU (the profile book's second end,
+:mod:`optimizer.model.colocation`) are moved with a saturation exponent as well:
+``T_s = r^gamma · T_c`` and the excess over ``r^gamma``, ``gamma`` fitted like ``β`` from the alone
+pairs' saturations (:func:`pair_gamma`; 1 where there is none). Alone, a share keeps much of
+the GPU's memory bandwidth and serves more than its part (simulated, A6000: ``gamma`` 0.27 to
+0.72 over the accuracy bench's small models); next to busy neighbours it never does (the
+packed ends keep ``gamma = 1``).
+
 ``β`` comes from the book's own profiled share pairs (same model, engine, GPU type and TP; two
 shares ``a < b`` give ``β = ln(L⁰_a / L⁰_b) / ln(b/a)``, clipped to ``[0, 1]``): the median over
 the model's pairs, else over every pair of the book, else :data:`DEFAULT_BETA`. Between two
@@ -63,7 +71,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -86,10 +94,14 @@ _K: Mapping[BetaSource, float] = {"model": K_MODEL, "book": K_BOOK, "default": K
 
 @dataclass(frozen=True, slots=True)
 class Beta:
-    """The light-load exponent ``β`` used for a share and where it came from."""
+    """The light-load exponent ``β`` used for a share and where it came from, and the
+    saturation exponent ``gamma`` (``T_s = r^gamma · T_c``): 1 for shares next to busy neighbours,
+    which never serve more than their part of the GPU; fitted for shares alone on their GPU
+    (see :func:`pair_gamma`)."""
 
     value: float
     source: BetaSource
+    gamma: float = 1.0
 
 
 def light(prof: Profile) -> float:
@@ -107,6 +119,17 @@ def pair_beta(a: Profile, b: Profile) -> float | None:
     return min(max(math.log(la / lb) / span, 0.0), 1.0)
 
 
+def pair_gamma(a: Profile, b: Profile) -> float | None:
+    """``gamma`` from two profiled shares of one key measured alone: ``ln(T_b / T_a) / ln(b / a)``,
+    clipped to ``[0, 1]`` (a share alone keeps much of the GPU's memory bandwidth, so it
+    serves more than its part; never less, nor more than the whole); ``None`` when the shares
+    are too close."""
+    span = math.log(b.key.share / a.key.share)
+    if abs(span) < _MIN_LOG_SPAN or not (a.saturation > 0 and b.saturation > 0):
+        return None
+    return min(max(math.log(b.saturation / a.saturation) / span, 0.0), 1.0)
+
+
 def _group(k: ProfileKey) -> tuple[str, str, str, int]:
     return (k.model, k.engine, k.gpu_type, k.tp)
 
@@ -117,13 +140,18 @@ class Betas:
 
     by_model: Mapping[str, float]
     book: float | None
+    # gamma per model and over the book (empty and None where shares are taken as contended)
+    gamma_by_model: Mapping[str, float] = field(default_factory=dict)
+    gamma_book: float | None = None
 
     @classmethod
-    def fitted(cls, profiles: Iterable[Profile]) -> Betas:
+    def fitted(cls, profiles: Iterable[Profile], alone: bool = False) -> Betas:
+        """``β`` (and with ``alone``, ``gamma``) from every pair of profiled shares of a key."""
         groups: dict[tuple[str, str, str, int], list[Profile]] = {}
         for p in profiles:
             groups.setdefault(_group(p.key), []).append(p)
         per_model: dict[str, list[float]] = {}
+        gammas: dict[str, list[float]] = {}
         for (model, *_), ps in sorted(groups.items()):
             ps = sorted(ps, key=lambda p: p.key.share)
             for i, a in enumerate(ps):
@@ -131,31 +159,43 @@ class Betas:
                     beta = pair_beta(a, b)
                     if beta is not None:
                         per_model.setdefault(model, []).append(beta)
+                    gamma = pair_gamma(a, b) if alone else None
+                    if gamma is not None:
+                        gammas.setdefault(model, []).append(gamma)
         everything = [b for bs in per_model.values() for b in bs]
+        every_gamma = [g for gs in gammas.values() for g in gs]
         return cls(
             {m: statistics.median(bs) for m, bs in per_model.items()},
             statistics.median(everything) if everything else None,
+            {m: statistics.median(gs) for m, gs in gammas.items()},
+            statistics.median(every_gamma) if every_gamma else None,
         )
 
     def for_model(self, model: str) -> Beta:
+        gamma = self.gamma_by_model.get(model, self.gamma_book)
+        gamma = 1.0 if gamma is None else gamma
         if model in self.by_model:
-            return Beta(self.by_model[model], "model")
+            return Beta(self.by_model[model], "model", gamma)
         if self.book is not None:
-            return Beta(self.book, "book")
-        return Beta(DEFAULT_BETA, "default")
+            return Beta(self.book, "book", gamma)
+        return Beta(DEFAULT_BETA, "default", gamma)
 
 
-def _moved(prof: Profile, r: float, beta: float) -> tuple[float, FloatArray, dict[str, FloatArray]]:
-    """``(T, rho, latencies)`` of ``prof`` moved to ``r`` x its share (module docstring)."""
+def _moved(
+    prof: Profile, r: float, beta: float, gamma: float = 1.0
+) -> tuple[float, FloatArray, dict[str, FloatArray]]:
+    """``(T, rho, latencies)`` of ``prof`` moved to ``r`` x its share (module docstring);
+    capacity, and with it the queueing excess, by ``r^gamma``."""
     stretch = r ** (-beta)
-    lat = {k: v[0] * stretch + (v - v[0]) / r for k, v in prof.lat.items()}
-    return prof.saturation * r, prof.rates / prof.saturation, lat
+    capacity = r**gamma
+    lat = {k: v[0] * stretch + (v - v[0]) / capacity for k, v in prof.lat.items()}
+    return prof.saturation * capacity, prof.rates / prof.saturation, lat
 
 
 def derived(base: Profile, share: float, beta: Beta) -> Profile:
     """``base`` (a profiled share) moved to ``share`` with ``beta``, with its uncertainty."""
     r = share / base.key.share
-    saturation, rho, lat = _moved(base, r, beta.value)
+    saturation, rho, lat = _moved(base, r, beta.value, beta.gamma)
     k = K_PAIR if beta.source == "pair" else _K[beta.source]
     u = k * abs(math.log(r)) * (EXTRAPOLATE if r > 1.0 else 1.0)
     return replace(
@@ -171,16 +211,18 @@ def derived(base: Profile, share: float, beta: Beta) -> Profile:
     )
 
 
-def interpolated(lower: Profile, upper: Profile, share: float) -> Profile:
+def interpolated(lower: Profile, upper: Profile, share: float, alone: bool = False) -> Profile:
     """The curve at ``share`` between two profiled shares of one key (module docstring);
     ``scaled_from`` names the upper one. A pair that gives no ``β`` falls back to
-    :data:`DEFAULT_BETA` for the move (the blend still ends at both measured curves)."""
+    :data:`DEFAULT_BETA` for the move (the blend still ends at both measured curves);
+    ``alone``: shares measured alone, whose capacity moves by the pair's own ``gamma``."""
     a, b, s = lower.key.share, upper.key.share, share
     beta = pair_beta(lower, upper)
     beta = DEFAULT_BETA if beta is None else beta
+    gamma = (pair_gamma(lower, upper) if alone else None) or 1.0
     w = math.log(s / a) / math.log(b / a)
-    _, rho_a, lat_a = _moved(lower, s / a, beta)
-    t_b, rho_b, lat_b = _moved(upper, s / b, beta)
+    _, rho_a, lat_a = _moved(lower, s / a, beta, gamma)
+    t_b, rho_b, lat_b = _moved(upper, s / b, beta, gamma)
     geometric = lower.saturation ** (1.0 - w) * upper.saturation**w
     saturation = max(lower.saturation, min(geometric, t_b))
     rho = np.union1d(rho_a, rho_b)

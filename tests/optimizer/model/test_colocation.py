@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from optimizer.model import alp, colocation
 from optimizer.model.alp import ModelAlloc, Pipeline, Stage
 from optimizer.model.colocation import (
+    Ends,
     Placed,
     busy_probability,
     capacity_weights,
+    ends,
     settle,
     weights,
 )
@@ -72,26 +74,48 @@ def test_busy_probability() -> None:
 
 
 def test_weights_read_the_packed_profile_where_the_placement_reproduces_it() -> None:
+    # a half share measured packed next to one copy: two busy copies draw 1.6 of the GPU
+    half = Ends(demand=0.8, contended=1.6, copies=2)
     twins = [Placed("gen", "n", (0,), 0.5), Placed("gen", "n", (0,), 0.5)]
-    assert weights(twins, {"gen": 0.7}) == {"gen": 1.0}
-    # a neighbour half as busy brings half the contention; an idle one none
+    for b in (0.2, 0.7, 1.0):
+        assert weights(twins, {"gen": b}, {"gen": half}) == {"gen": pytest.approx(1.0)}
+    # beside an idle neighbour, or on a GPU of its own: the alone end
     mixed = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
-    assert weights(mixed, {"gen": 0.8, "emb": 0.4})["gen"] == pytest.approx(0.5)
-    assert weights(mixed, {"gen": 0.8, "emb": 0.0})["gen"] == 0.0
-    # more contention than the profile saw is not extrapolated
-    assert weights(mixed, {"gen": 0.2, "emb": 1.0})["gen"] == 1.0
-    # alone on its GPU, or on another GPU: nothing
+    light = Ends(demand=0.4)  # a small model's half share draws less
+    ends = {"gen": half, "emb": light}
+    assert weights(mixed, {"gen": 0.8, "emb": 0.0}, ends)["gen"] == 0.0
     apart = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (1,), 0.5)]
-    assert weights(apart, {"gen": 0.8, "emb": 1.0})["gen"] == 0.0
-    # two quarters beside a quarter copy at the same load: two of its three packed neighbours
-    quarters = [Placed("q", "n", (0,), 0.25)] * 3
-    assert weights(quarters, {"q": 0.6})["q"] == pytest.approx(2 / 3)
+    assert weights(apart, {"gen": 0.8, "emb": 1.0}, ends)["gen"] == 0.0
+    # a busy light neighbour: capacity alone / (0.8 + 0.4), between the ends
+    w = weights(mixed, {"gen": 1.0, "emb": 1.0}, ends)["gen"]
+    assert 1.6**w == pytest.approx(1.2)
+    # more contention than the profile saw is not extrapolated
+    heavy = {"gen": half, "emb": Ends(demand=1.0)}
+    assert weights(mixed, {"gen": 0.3, "emb": 1.0}, heavy)["gen"] == 1.0
+    # a derived end stands for its own contention; a model with no ends draws its share
+    derived = {"q": Ends(demand=0.5, contended=2.0)}
+    quarters = [Placed("q", "n", (0,), 0.25), Placed("x", "n", (0,), 0.5)]
+    assert weights(quarters, {"q": 1.0, "x": 1.0}, derived)["q"] == pytest.approx(0.0)
+    quarters.append(Placed("y", "n", (0,), 0.25))
+    got = weights(quarters, {"q": 1.0, "x": 1.0, "y": 1.0}, derived)["q"]
+    assert 2.0**got == pytest.approx(1.25)
     # tensor parallel: the busiest of its GPUs
-    tp = [
-        Placed("big", "n", (0, 1), 0.5, tp=2),
-        Placed("emb", "n", (1,), 0.5),
-    ]
-    assert weights(tp, {"big": 0.5, "emb": 0.5})["big"] == 1.0
+    tp = [Placed("big", "n", (0, 1), 0.5, tp=2), Placed("emb", "n", (1,), 0.5)]
+    big = {"big": Ends(demand=0.7, contended=1.4), "emb": Ends(demand=0.7)}
+    assert weights(tp, {"big": 0.5, "emb": 1.0}, big)["big"] == 1.0
+
+
+def test_ends_come_from_the_book() -> None:
+    book = ProfileBook(two_ends("gen") + tagged(queue("big", 1.0, saturation=20.0), "alone"))
+    measured = ends(book, "gen", 1, 0.5)
+    assert measured.copies == 2
+    assert measured.contended == pytest.approx(10.0 / 7.0, rel=1e-3)
+    assert measured.demand == pytest.approx(measured.contended / 2)
+    derived = ends(book, "big", 1, 0.5)
+    gamma = book.alone.betas.for_model("big").gamma if book.alone else 1.0
+    assert (derived.copies, derived.demand) == (0, pytest.approx(0.5**gamma))
+    assert derived.contended == pytest.approx(0.5 ** (gamma - 1.0), rel=1e-3)
+    assert ends(ProfileBook(queue("gen", 0.5)), "gen", 1, 0.5) == Ends(0.5)
 
 
 def test_the_book_blends_only_where_a_key_was_measured_both_ways() -> None:
@@ -134,7 +158,12 @@ def test_settle_reads_idle_neighbours_as_alone_and_busy_copies_as_packed() -> No
     book = ProfileBook(two_ends("gen") + two_ends("emb"))
     beside_idle = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
     w = settle(book, beside_idle, {"gen": 3.0, "emb": 0.0})
-    assert w["gen"] == 0.0 and w["emb"] > 0.0
+    assert w["gen"] == 0.0
+    # a lightly loaded replica beside a busy one: the two draw less than the GPU, so the busy
+    # one runs as alone; the light one sees more contention than its packed profile saw at
+    # that load (its copy as lightly loaded as itself)
+    w = settle(book, beside_idle, {"gen": 3.0, "emb": 0.3})
+    assert w["gen"] == 0.0 and w["emb"] == 1.0
     twins = [Placed("gen", "n", (0,), 0.5), Placed("gen", "n", (0,), 0.5)]
     assert settle(book, twins, {"gen": 3.0}) == {"gen": 1.0}
     # both busy: somewhere between, and the more loaded neighbour weighs more
@@ -161,3 +190,17 @@ def test_capacity_reads_neighbours_as_busy_as_the_workflow_at_its_capacity() -> 
     assert packed == pytest.approx(7.0, rel=1e-3)
     assert shared < 0.5 * (packed + alone)
     assert alone == pytest.approx(10.0, rel=1e-3)
+
+
+def test_a_share_derived_alone_keeps_more_than_its_part_and_a_packed_one_never() -> None:
+    # the alone ends: a half share serves 10 of the whole GPU's 16 calls/s (gamma ~0.68)
+    book = ProfileBook(two_ends("gen") + tagged(queue("big", 1.0, saturation=20.0), "alone"))
+    assert book.alone is not None
+    gamma = book.alone.betas.for_model("big").gamma
+    assert gamma == pytest.approx(np.log(16.0 / 10.0) / np.log(2.0), rel=1e-3)
+    assert book.betas.for_model("big").gamma == 1.0  # packed: never more than its part
+    alone = book.lookup("big", 1, 0.5, busy=0.0)
+    packed = book.lookup("big", 1, 0.5, busy=1.0)
+    assert packed.saturation == pytest.approx(10.0, rel=1e-3)
+    assert alone.saturation == pytest.approx(20.0 * 0.5**gamma, rel=1e-3)
+    assert float(alone.latency(5.0)) < float(packed.latency(5.0))
