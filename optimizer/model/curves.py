@@ -268,6 +268,18 @@ class ProfileBook:
             if both
             else None
         )
+        # a fractional share measured only alone (one copy fills its GPU) has no packed end
+        # of its own: next to busy neighbours it gets its part of the GPU, which is the
+        # packed shares' and the whole GPU's curves moved to it (``contended``)
+        self._alone_only = frozenset(k for k in alone if k not in both and k.share < 1.0 - 1e-9)
+        self.contended = (
+            ProfileBook(
+                [p for k, ps in replay.items() if k not in self._alone_only for p in ps],
+                live_too=False,
+            )
+            if self.alone is not None and self._alone_only
+            else None
+        )
 
     def lookup(
         self,
@@ -290,7 +302,7 @@ class ProfileBook:
         correction. ``None``: the packed curve, as where the book has no alone curves."""
         if busy is None or self.alone is None:
             return self._lookup(model, tp, share, engine, gpu_type)
-        target, packed = self._replay_curve(model, tp, share, engine, gpu_type)
+        target, packed = self._packed_end(model, tp, share, engine, gpu_type)
         w = round(min(max(busy, 0.0), 1.0), 3)
         got = self._blended.get((target, w))
         if got is None:
@@ -307,11 +319,25 @@ class ProfileBook:
         """The alone and the packed replayed curve of a share (measured, interpolated or
         derived; before any live correction); both the one curve where the book has no alone
         ends."""
-        _, packed = self._replay_curve(model, tp, share, engine, None)
         if self.alone is None:
+            _, packed = self._replay_curve(model, tp, share, engine, None)
             return packed, packed
+        _, packed = self._packed_end(model, tp, share, engine, None)
         _, alone = self.alone._replay_curve(model, tp, share, engine, None)
         return alone, packed
+
+    def _packed_end(
+        self, model: str, tp: int, share: float, engine: str | None, gpu_type: str | None
+    ) -> tuple[ProfileKey, Profile]:
+        """The key looked up and its packed end (see ``contended`` in ``__init__``)."""
+        target, packed = self._replay_curve(model, tp, share, engine, gpu_type)
+        if self.contended is not None and target in self._alone_only:
+            try:
+                _, moved = self.contended._replay_curve(model, tp, share, engine, gpu_type)
+            except ProfileError:  # no other share of it: its one curve is both ends
+                return target, packed
+            return target, replace(moved, key=target)
+        return target, packed
 
     def measured_copies(self, model: str, tp: int, share: float) -> int:
         """How many copies filled the GPU when this exact share was measured packed (its alone

@@ -204,3 +204,16 @@ def test_a_share_derived_alone_keeps_more_than_its_part_and_a_packed_one_never()
     assert packed.saturation == pytest.approx(10.0, rel=1e-3)
     assert alone.saturation == pytest.approx(20.0 * 0.5**gamma, rel=1e-3)
     assert float(alone.latency(5.0)) < float(packed.latency(5.0))
+
+
+def test_a_share_measured_only_alone_takes_its_part_of_the_gpu_beside_busy_neighbours() -> None:
+    # three quarters measured alone (one copy fills its GPU): packed, it gets no more than its
+    # part of the whole GPU, bridged from the packed half (7 calls/s) and the whole (16)
+    three = tagged(queue("gen", 0.75, saturation=14.0, light=0.95), "alone")
+    book = ProfileBook(two_ends("gen") + three)
+    assert book.lookup("gen", 1, 0.75).saturation == pytest.approx(14.0, rel=1e-3)
+    assert book.lookup("gen", 1, 0.75, busy=0.0).saturation == pytest.approx(14.0, rel=1e-3)
+    packed = book.lookup("gen", 1, 0.75, busy=1.0).saturation
+    assert 7.0 * 1.5 <= packed <= 16.0 * 0.75
+    e = ends(book, "gen", 1, 0.75)
+    assert e.copies == 0 and e.contended == pytest.approx(14.0 / packed, rel=1e-3)
