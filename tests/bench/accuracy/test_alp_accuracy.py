@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +83,21 @@ def test_reused_profile_points_are_keyed_by_workflow(tmp_path: Path) -> None:
     path = tmp_path / "alp_accuracy.json"
     path.write_bytes(orjson.dumps(doc))
     reused = _reused_points(path)
-    assert reused[("beam", "llama-3.2-1b", 1, 1.0)] == [point(1.0, 5.0)]
-    assert reused[("fanout", "llama-3.2-1b", 1, 1.0)] == [point(1.0, 7.0)]
-    assert reused[("fanout", "llama-3.2-1b", 1, 0.5)] == [point(0.5, 3.0)]
+    assert reused[("beam", "llama-3.2-1b", 1, 1.0, False)] == [point(1.0, 5.0)]
+    assert reused[("fanout", "llama-3.2-1b", 1, 1.0, False)] == [point(1.0, 7.0)]
+    assert reused[("fanout", "llama-3.2-1b", 1, 0.5, False)] == [point(0.5, 3.0)]
     assert _reused_points(None) == {}
+    # a packed share's alone end comes back under its own key; a whole GPU's "alone" is no
+    # second end
+    alone = [
+        replace(point(0.5, 4.0), colocation="alone"),
+        replace(point(1.0, 9.0), colocation="alone"),
+    ]
+    doc = {"profile_points": [{"workflow": "beam", **asdict(p)} for p in alone]}
+    path.write_bytes(orjson.dumps(doc))
+    reused = _reused_points(path)
+    assert reused[("beam", "llama-3.2-1b", 1, 0.5, True)] == alone[:1]
+    assert reused[("beam", "llama-3.2-1b", 1, 1.0, False)] == alone[1:]
 
 
 def test_profile_documents_read_back_as_the_points_they_hold(tmp_path: Path) -> None:
@@ -112,4 +123,4 @@ def test_profile_documents_read_back_as_the_points_they_hold(tmp_path: Path) -> 
     reused = _reused_points(path)
     assert len(reused) == len(jobs)
     for job, pts in zip(jobs, profiled, strict=True):
-        assert reused[(case.workflow, job.model, job.tp, round(job.share, 6))] == pts
+        assert reused[(case.workflow, job.model, job.tp, round(job.share, 6), False)] == pts
