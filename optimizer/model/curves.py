@@ -16,6 +16,10 @@ Invariants:
   them; it says so in ``scaled_from`` and carries a relative ``uncertainty`` (0 for a
   profiled share, wider the farther the share it was derived from, narrower once live points
   corrected it);
+- a share measured both packed and alone has two replayed ends: the packed one is its curve,
+  and :meth:`ProfileBook.lookup` with ``busy`` blends in the alone one by how busy a placed
+  replica's neighbours are (:mod:`optimizer.model.colocation`); without ``busy``, or in a
+  book without alone ends, every lookup is exactly what it was before they existed;
 - curves are made from replay points only (``source="replay"``); live points
   (:mod:`optimizer.model.live`, ``source="live"``) correct the curve of their own key where
   the replica ran (:meth:`Profile.corrected`). Each live point gives the replica's *speed*
