@@ -116,16 +116,15 @@ def weights(
         for g in r.gpus:
             on_gpu.setdefault((r.node, g), []).append(i)
 
-    def demand(r: Placed) -> float:
-        e = model_ends.get(r.model)
-        return r.share if e is None else e.demand
+    def of(r: Placed) -> Ends:
+        return model_ends.get(r.model) or Ends(r.share)
 
     per_model: dict[str, list[float]] = {}
     for i, r in enumerate(placed):
         load = max(
             (
                 sum(
-                    demand(placed[j]) * busy.get(placed[j].model, 0.0)
+                    of(placed[j]).demand * busy.get(placed[j].model, 0.0)
                     for j in on_gpu[(r.node, g)]
                     if j != i
                 )
@@ -133,7 +132,7 @@ def weights(
             ),
             default=0.0,
         )
-        e = model_ends.get(r.model, Ends(r.share))
+        e = of(r)
         # a measured packed end: its copies as busy as this replica; a derived one: contended
         reference = (
             e.demand * (1.0 + (e.copies - 1) * busy.get(r.model, 0.0))
@@ -173,7 +172,8 @@ def settle(
                 continue
             lat = float(prof.latency(rate))
             busy[model] = busy_probability(rate, lat, together.get(model, 1.0))
-        w = {m: weights(placed, busy, model_ends).get(m, 1.0) for m in configs}
+        got = weights(placed, busy, model_ends)
+        w = {m: got.get(m, 1.0) for m in configs}
     return w
 
 
