@@ -77,7 +77,8 @@ class Profile:
 
     ``rates`` are achieved throughputs of the points where the engine kept up with the
     offered rate (ascending); ``lat`` maps a statistic to latencies at those rates, made
-    non-decreasing and interpolated linearly between them. ``saturation`` is the highest of
+    non-decreasing and interpolated between them as a queue grows (log latency linear in
+    ``-ln(1 - rho / h)``, :func:`optimizer.model.shares.along`). ``saturation`` is the highest of
     those rates (plus a sliver, so that the last point stays finite); beyond it ``inf``.
     """
 
@@ -124,8 +125,13 @@ class Profile:
     def latency(self, rate: npt.ArrayLike, stat: Stat = "mean") -> FloatArray:
         """Latency (s) at arrival rate(s) ``rate`` (calls/s); ``inf`` at or past saturation."""
         lam = np.asarray(rate, dtype=np.float64)
-        out = np.interp(lam, self.rates, self.lat[stat])  # flat below the lightest point
+        out = self._along(lam, self.lat[stat])  # flat below the lightest point
         return np.asarray(np.where(lam >= self.saturation, np.inf, out), dtype=np.float64)
+
+    def _along(self, rate: FloatArray, values: FloatArray) -> FloatArray:
+        """``values`` (at this curve's rates) read at ``rate``, between its points as a queue
+        grows (:func:`optimizer.model.shares.along`)."""
+        return shares.along(rate / self.saturation, self.rates / self.saturation, values)
 
     def scaled(self, share: float, beta: Beta | None = None) -> Profile:
         """This curve moved to GPU share ``share`` by the share model (DESIGN §3.5,
@@ -190,10 +196,7 @@ class Profile:
         grid = np.union1d(self.rates, np.linspace(xs[0], top, _FADE_KNOTS))
         grid = np.union1d(grid, xs)
         factor = np.exp(np.interp(grid, xs, ys))  # flat below the lightest load
-        lat = {
-            k: np.maximum.accumulate(np.interp(grid, self.rates, v) * factor)
-            for k, v in self.lat.items()
-        }
+        lat = {k: np.maximum.accumulate(self._along(grid, v) * factor) for k, v in self.lat.items()}
         ttft = self.ttft_mean * float(factor[0])
         return replace(self, rates=grid, lat=lat, ttft_mean=ttft)
 

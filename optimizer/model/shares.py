@@ -75,6 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from shared.profile_points import ProfileKey
 
@@ -86,8 +87,19 @@ K_MODEL = 0.3  # u per unit |ln r| when β was fitted on the same model's pairs
 K_BOOK = 0.45  # ... on other models' pairs
 K_DEFAULT = 0.5  # ... taken from DEFAULT_BETA
 K_PAIR = 0.5  # interpolation between two profiled shares (a bridge, 0 at both ends)
+_TINY = 1e-12  # a latency read as 0 (an instant stage) still has a logarithm
 EXTRAPOLATE = 2.0  # scaled up beyond the largest profiled share
 _MIN_LOG_SPAN = 0.05  # shares closer than 5% give no usable β
+# Between two measured loads a curve rises as a queue does, not along the chord: its log
+# latency is interpolated linearly in the queue coordinate -ln(1 - rho / QUEUE_HEADROOM)
+# (``along``). Measured on the accuracy bench's full simulated profiles (15 keys, points below
+# 90% of T_m, each left out with its neighbours up to three knots apart): median |error| of a
+# left-out point 2.5% (p90 10%) against 14% (p90 90%) for linear interpolation in the rate and
+# 7.6% (p90 43%) for log-linear. Out of sample, the --quick profiles' sparser curves read at
+# the full profiles' points: mean |error| 13.5% against 20.7% (linear). The headroom puts the
+# curve's pole a little past T_m (the highest load that kept up, not the pole itself);
+# 1.02 to 1.10 read alike.
+QUEUE_HEADROOM = 1.05
 BetaSource = Literal["model", "book", "default", "pair"]
 _K: Mapping[BetaSource, float] = {"model": K_MODEL, "book": K_BOOK, "default": K_DEFAULT}
 
@@ -181,6 +193,17 @@ class Betas:
         return Beta(DEFAULT_BETA, "default", gamma)
 
 
+def along(rho: npt.ArrayLike, knots: FloatArray, values: FloatArray) -> FloatArray:
+    """``values`` (latencies at utilisations ``knots``, ascending, below 1) read at ``rho``:
+    exact at the knots, flat below the first and above the last, and between two knots log
+    latency linear in ``-ln(1 - rho / QUEUE_HEADROOM)`` (see :data:`QUEUE_HEADROOM`), so a
+    non-decreasing curve stays non-decreasing."""
+    at = np.minimum(np.asarray(rho, dtype=np.float64), 1.0)
+    z = -np.log1p(-np.minimum(knots, 1.0) / QUEUE_HEADROOM)
+    logs = np.log(np.maximum(values, _TINY))
+    return np.asarray(np.exp(np.interp(-np.log1p(-at / QUEUE_HEADROOM), z, logs)), np.float64)
+
+
 def _moved(
     prof: Profile, r: float, beta: float, gamma: float = 1.0
 ) -> tuple[float, FloatArray, dict[str, FloatArray]]:
@@ -227,8 +250,7 @@ def interpolated(lower: Profile, upper: Profile, share: float, alone: bool = Fal
     saturation = max(lower.saturation, min(geometric, t_b))
     rho = np.union1d(rho_a, rho_b)
     lat = {
-        k: (1.0 - w) * np.interp(rho, rho_a, lat_a[k]) + w * np.interp(rho, rho_b, lat_b[k])
-        for k in lat_b
+        k: (1.0 - w) * along(rho, rho_a, lat_a[k]) + w * along(rho, rho_b, lat_b[k]) for k in lat_b
     }
     span = math.log(b / a)
     return replace(
@@ -258,7 +280,7 @@ def blend(alone: Profile, packed: Profile, w: float) -> Profile:
     rho = np.union1d(rho_a, rho_p)
     saturation = alone.saturation ** (1.0 - w) * packed.saturation**w
     lat = {
-        k: (1.0 - w) * np.interp(rho, rho_a, alone.lat[k]) + w * np.interp(rho, rho_p, v)
+        k: (1.0 - w) * along(rho, rho_a, alone.lat[k]) + w * along(rho, rho_p, v)
         for k, v in packed.lat.items()
     }
     return replace(

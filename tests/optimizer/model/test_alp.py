@@ -27,7 +27,7 @@ from optimizer.model.shares import DEFAULT_BETA, K_DEFAULT
 from optimizer.stats.reader import summarise_store
 from shared.profile_points import ProfilePoint
 from tests.optimizer.conftest import Row, call
-from tests.optimizer.model.test_profiles import MU, mm1
+from tests.optimizer.model.test_profiles import MU, mm1, queued
 
 
 def _book() -> ProfileBook:
@@ -77,12 +77,16 @@ def test_unprofiled_share_is_scaled_and_flagged() -> None:
     assert gen.scaled_from == 1.0
     assert gen.capacity == pytest.approx(2 * 5.0 / 4)
     # 2 calls/s on half a GPU: the light-load latency 1/9 stretched by 2^beta (no share pair in
-    # the book: the default beta), plus the whole GPU's excess at 4 calls/s (between 3 and 5)
-    # stretched by 2
-    light, at4 = 1 / 9, (1 / 7 + 1 / 5) / 2
-    want = light * 2**DEFAULT_BETA + (at4 - light) * 2
+    # the book: the default beta), plus the whole GPU's excess stretched by 2, read at the
+    # same utilisation (the whole GPU's 4 calls/s, between its points at 3 and 5)
+    light = 1 / 9
+
+    def moved(lat: float) -> float:
+        return light * 2**DEFAULT_BETA + (lat - light) * 2
+
+    want = queued(4.0, (3.0, moved(1 / 7)), (5.0, moved(1 / 5)), MU)
     assert gen.call_latency == pytest.approx(want)
-    assert gen.call_latency < 2 * at4  # linear scaling's figure
+    assert gen.call_latency < 2 / (MU - 4.0)  # linear scaling's figure
     assert pred.stages[1].scaled_from is None
 
 

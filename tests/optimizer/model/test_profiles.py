@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from optimizer.model.curves import Profile, ProfileBook
-from optimizer.model.shares import Beta
+from optimizer.model.shares import QUEUE_HEADROOM, Beta
 from optimizer.store.profiles import load_points, load_points_async, save_points, save_points_async
 from shared.profile_points import ProfileError, ProfilePoint, export_json, import_json
 
@@ -107,15 +108,41 @@ def test_an_overloaded_reading_never_raises_saturation() -> None:
     assert np.isinf(prof.latency(9.5))
 
 
+def queued(lam: float, lo: tuple[float, float], hi: tuple[float, float], top: float) -> float:
+    """The latency at ``lam`` between two points ``(rate, latency)`` of a curve whose
+    saturation is ``top``: log latency linear in ``-ln(1 - rate / (top * QUEUE_HEADROOM))``."""
+
+    def z(x: float) -> float:
+        return -math.log1p(-x / (top * (1.0 + 1e-6) * QUEUE_HEADROOM))
+
+    f = (z(lam) - z(lo[0])) / (z(hi[0]) - z(lo[0]))
+    return math.exp(math.log(lo[1]) + f * (math.log(hi[1]) - math.log(lo[1])))
+
+
+def test_between_sparse_points_the_curve_follows_the_queue_not_the_chord() -> None:
+    # an M/M/1 server profiled at three loads only: read in between, the curve stays near the
+    # queue's 1/(mu - lambda), where the chord over-reads by up to 1.8x
+    prof = Profile.from_points(mm1(rates=(1, 5, 9)))
+    lam = np.array([2.0, 3.0, 4.0, 6.0, 7.0, 8.0])
+    truth = 1.0 / (MU - lam)
+    chord = np.interp(lam, [1.0, 5.0, 9.0], [1 / 9, 1 / 5, 1.0])
+    got = prof.latency(lam)
+    assert np.all(np.abs(got / truth - 1) < 0.25)
+    assert np.all(np.abs(got / truth - 1) < np.abs(chord / truth - 1))
+    assert np.max(chord / truth) > 1.75
+
+
 def test_latency_interpolates_and_diverges() -> None:
     prof = Profile.from_points(mm1())
     lam = np.array([0.5, 1.0, 2.0, 6.0, 9.5, 10.0, 10.1, 20.0])
     got = prof.latency(lam)
     assert got[0] == pytest.approx(1 / 9)  # flat below the lightest point
     assert got[1] == pytest.approx(1 / 9)
-    assert got[2] == pytest.approx((1 / 9 + 1 / 7) / 2)  # linear between points
-    assert got[3] == pytest.approx((1 / 5 + 1 / 3) / 2)
-    assert got[4] == pytest.approx((1.0 + AT_MU) / 2)
+    # between points: log latency linear in the queue coordinate, below the chord
+    assert got[2] == pytest.approx(queued(2.0, (1.0, 1 / 9), (3.0, 1 / 7), MU))
+    assert got[3] == pytest.approx(queued(6.0, (5.0, 1 / 5), (7.0, 1 / 3), MU))
+    assert got[4] == pytest.approx(queued(9.5, (9.0, 1.0), (MU, AT_MU), MU))
+    assert 1 / 9 < got[2] < (1 / 9 + 1 / 7) / 2 and got[4] < (1.0 + AT_MU) / 2
     assert got[5] == pytest.approx(AT_MU)  # the highest point that kept up stays finite
     assert np.isinf(got[6]) and np.isinf(got[7])
     finite = got[np.isfinite(got)]
