@@ -149,3 +149,45 @@ def test_the_committed_full_run_replays_to_its_own_summary() -> None:
     for workflow, figures in out["summary"].items():
         then = out["run_summary"][workflow]
         assert {k: then[k] for k in figures} == figures, workflow
+
+
+def _edit(run: Path, kind: str, factor: float) -> bytes:
+    """The run as an older ALP would have written it: ``kind``'s predictions x ``factor``."""
+    report = orjson.loads(run.read_bytes())
+    for p in report["workflows"]["w"]["points"]:
+        if p["kind"] == kind:
+            p["predicted"] *= factor
+    run.write_bytes(orjson.dumps(report))
+    return run.read_bytes()
+
+
+def test_rewrite_takes_the_new_predictions_and_keeps_every_simulated_figure(
+    tmp_path: Path,
+) -> None:
+    run = _run(tmp_path)
+    simulated = [p["simulated"] for p in orjson.loads(run.read_bytes())["workflows"]["w"]["points"]]
+    _edit(run, "mean_latency", 2.0)  # latency predicted 2x by an older ALP
+    assert main([str(run), "--rewrite"]) == 0
+    report = orjson.loads(run.read_bytes())
+    points = report["workflows"]["w"]["points"]
+    assert [p["simulated"] for p in points] == simulated
+    for p in points:
+        assert p["predicted"] == pytest.approx(p["simulated"] / 1.1, rel=1e-12)
+    latency = [p for p in points if p["kind"] == "mean_latency"]
+    assert all(p["error"] == pytest.approx(1 / 11) for p in latency)
+    assert all("predicted_without_pooling" in p for p in latency)
+    assert report["summary"]["w"]["latency_error_max"] == pytest.approx(1 / 11)
+    assert "alp_replay --rewrite" in report["predictions_replayed"]
+    # and the rewritten run replays to its own summary, as the committed one must
+    again = replay(run)
+    assert {k: again["run_summary"]["w"][k] for k in again["summary"]["w"]} == again["summary"]["w"]
+
+
+def test_rewrite_is_refused_where_a_capacity_prediction_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run(tmp_path)
+    before = _edit(run, "max_throughput", 1.5)  # T_w moved: the latency rates would too
+    assert main([str(run), "--rewrite"]) == 1
+    assert "predicted max throughput moved" in capsys.readouterr().err
+    assert run.read_bytes() == before
