@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,8 +356,6 @@ async def run_demo(out: Path, cfg: DemoConfig, console: Console) -> dict[str, An
     t0, t0_wall = time.monotonic(), time.time()
     run = out / "run"
     if run.exists():
-        import shutil
-
         shutil.rmtree(run)
     run.mkdir(parents=True)
     port, token = free_port(), secrets.token_hex(16)
@@ -490,7 +489,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     cfg = TINY if args.tiny else FULL
     try:
-        report = asyncio.run(run_demo(args.out, cfg, console))
+        # absolute: the children run from the package's folder, not from the caller's
+        report = asyncio.run(run_demo(args.out.resolve(), cfg, console))
     except KeyboardInterrupt:
         console.print("scepsy demo: interrupted; every process it started was stopped")
         return 130

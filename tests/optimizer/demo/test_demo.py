@@ -16,8 +16,6 @@ from optimizer.demo import run as demo
 from optimizer.demo.report import problems
 from optimizer.demo.run import DemoError, _check_load_driver, _watch
 
-ROOT = Path(__file__).parents[3]
-
 
 def _processes_mentioning(text: str) -> list[int]:
     """Live processes whose command line or environment mentions ``text``."""
@@ -44,9 +42,11 @@ def test_tiny_demo_reports_one_rollout_after_the_shift_and_no_failed_request(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "demo"
+    # run from elsewhere than the project, with a relative --out: the children must not
+    # read the caller's relative paths from their own folder
     proc = subprocess.run(
-        [sys.executable, "-m", "optimizer.cli", "demo", "--tiny", "--out", str(out)],
-        cwd=ROOT,
+        [sys.executable, "-m", "optimizer.cli", "demo", "--tiny", "--out", "demo"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=280,
