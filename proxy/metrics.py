@@ -5,9 +5,12 @@ Role: one :class:`ProxyMetrics` per app. Per-call figures are observed once per 
 recorder depth and counters) is read at scrape time by a collector instead of being mirrored
 on the hot path.
 
-Invariants: label children are cached per label tuple, so a call costs dict lookups, not the
-client library's label validation; the registry is private to the app, so several proxies (and
-tests) in one process never collide.
+Invariants: a call's figures (status count, duration and first-byte histograms, tokens) are
+plain numbers added on the event loop's thread (:class:`_Tally`: a few dict lookups and int
+additions, no lock, no label validation), made the same Prometheus families the client
+library's ``Counter`` and ``Histogram`` would expose (less their ``_created`` samples) only
+when scraped; the registry is private to the app, so several proxies (and tests) in one
+process never collide.
 
 The ``workflow`` label is bounded: clients choose workflow names, and each new one would be a
 new series forever (5,000 ids made a 21 MB /metrics). The first ``max_workflows`` names seen,
@@ -24,12 +27,19 @@ from __future__ import annotations
 
 import logging
 import math
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from proxy.recorder import Recorder
 from proxy.router import Router
@@ -118,6 +128,75 @@ class _StateCollector(Collector):
         yield from (in_flight, replicas, depth, written, dropped, segments, quarantined, replayed)
 
 
+class _Tally:
+    """The per-call figures of one ``(workflow, model)``: plain numbers, made Prometheus
+    families only when scraped. Histogram counts are per bucket (the last: above every
+    bound), made cumulative at scrape time."""
+
+    __slots__ = ("completion", "duration", "duration_sum", "prompt", "ttfb", "ttfb_sum")
+
+    def __init__(self) -> None:
+        self.duration = [0] * (len(_BUCKETS) + 1)
+        self.duration_sum = 0.0
+        self.ttfb = [0] * (len(_BUCKETS) + 1)
+        self.ttfb_sum = 0.0
+        self.prompt = 0
+        self.completion = 0
+
+
+def _buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts as the cumulative ``le`` buckets of the exposition."""
+    out, total = [], 0
+    for bound, n in zip((*_BUCKETS, math.inf), counts, strict=True):
+        total += n
+        out.append((floatToGoString(bound), float(total)))
+    return out
+
+
+class _CallCollector(Collector):
+    """The per-call families (requests, duration, first byte, tokens) from their tallies:
+    the same names, types and labels the client library's own metrics would expose."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        requests = CounterMetricFamily(
+            names.PROXY_REQUESTS.removesuffix("_total"),
+            "Calls answered, by status code",
+            labels=["workflow", "model", "code"],
+        )
+        for (wf, model, code), n in m.answered.items():
+            requests.add_metric([wf, model, str(code)], n)
+        duration = HistogramMetricFamily(
+            names.PROXY_REQUEST_DURATION,
+            "Call duration seen by the proxy",
+            labels=["workflow", "model"],
+        )
+        ttfb = HistogramMetricFamily(
+            names.PROXY_TTFB,
+            "Time to the upstream's first response byte",
+            labels=["workflow", "model"],
+        )
+        prompt = CounterMetricFamily(
+            names.PROXY_PROMPT_TOKENS.removesuffix("_total"),
+            "Prompt tokens (engine usage)",
+            labels=["workflow", "model"],
+        )
+        completion = CounterMetricFamily(
+            names.PROXY_COMPLETION_TOKENS.removesuffix("_total"),
+            "Completion tokens (engine usage)",
+            labels=["workflow", "model"],
+        )
+        for (wf, model), t in m.tallies.items():
+            duration.add_metric([wf, model], _buckets(t.duration), t.duration_sum)
+            ttfb.add_metric([wf, model], _buckets(t.ttfb), t.ttfb_sum)
+            prompt.add_metric([wf, model], t.prompt)
+            completion.add_metric([wf, model], t.completion)
+        yield from (requests, duration, ttfb, prompt, completion)
+
+
 class ProxyMetrics:
     def __init__(
         self,
@@ -132,40 +211,13 @@ class ProxyMetrics:
         for name in known_workflows:
             self._workflows[name] = label_value(name)
         self._workflow_room = max_workflows
+        # Per-call figures as plain numbers (a call adds to a few ints, no lock, no child
+        # lookup), read by _CallCollector; only the event loop's thread touches them.
+        self.answered: dict[tuple[str, str, int], int] = {}
+        self.tallies: dict[tuple[str, str], _Tally] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            names.PROXY_REQUESTS,
-            "Calls answered, by status code",
-            ["workflow", "model", "code"],
-            registry=r,
-        )
-        self.duration = Histogram(
-            names.PROXY_REQUEST_DURATION,
-            "Call duration seen by the proxy",
-            ["workflow", "model"],
-            buckets=_BUCKETS,
-            registry=r,
-        )
-        self.ttfb = Histogram(
-            names.PROXY_TTFB,
-            "Time to the upstream's first response byte",
-            ["workflow", "model"],
-            buckets=_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            names.PROXY_PROMPT_TOKENS,
-            "Prompt tokens (engine usage)",
-            ["workflow", "model"],
-            registry=r,
-        )
-        self.completion_tokens = Counter(
-            names.PROXY_COMPLETION_TOKENS,
-            "Completion tokens (engine usage)",
-            ["workflow", "model"],
-            registry=r,
-        )
+        r.register(_CallCollector(self))
         self.upstream_errors = Counter(
             names.PROXY_UPSTREAM_ERRORS,
             "Upstream failures: connect, timeout, disconnect, or HTTP status",
@@ -183,8 +235,6 @@ class ProxyMetrics:
         )
         r.register(_StateCollector(router, recorder))
         self._children: dict[tuple[Any, ...], Any] = {}
-        # One lookup per call for the four per-(workflow, model) series.
-        self._per_call: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -216,29 +266,28 @@ class ProxyMetrics:
         wf = self._workflows.get(rec.workflow or "")
         if wf is None:
             wf = self.workflow_label(rec.workflow)
-        key = (wf, model)
-        per_call = self._per_call.get(key)
-        if per_call is None:
-            per_call = self._per_call[key] = (
-                self.duration.labels(wf, model),
-                self.ttfb.labels(wf, model),
-                self.prompt_tokens.labels(wf, model),
-                self.completion_tokens.labels(wf, model),
-            )
-        duration, ttfb, prompt, completion = per_call
-        self._child(self.requests, wf, model, str(status)).inc()
+        key = (wf, model, status)
+        self.answered[key] = self.answered.get(key, 0) + 1
+        t = self.tallies.get((wf, model))
+        if t is None:
+            t = self.tallies[(wf, model)] = _Tally()
         if rec.t_end is not None:
-            duration.observe((rec.t_end - rec.t_start) / 1e6)
+            seconds = (rec.t_end - rec.t_start) / 1e6
+            t.duration[bisect_left(_BUCKETS, seconds)] += 1  # le: a bound holds itself
+            t.duration_sum += seconds
         if rec.t_first_byte is not None:
-            ttfb.observe((rec.t_first_byte - rec.t_start) / 1e6)
+            seconds = (rec.t_first_byte - rec.t_start) / 1e6
+            t.ttfb[bisect_left(_BUCKETS, seconds)] += 1
+            t.ttfb_sum += seconds
         if rec.prompt_tokens:
-            prompt.inc(rec.prompt_tokens)
+            t.prompt += rec.prompt_tokens
         if rec.completion_tokens:
-            completion.inc(rec.completion_tokens)
+            t.completion += rec.completion_tokens
 
     def rejected(self, status: int) -> None:
         """A call refused before it had a model and workflow (bad body, auth, unknown route)."""
-        self._child(self.requests, "", "", str(status)).inc()
+        key = ("", "", status)
+        self.answered[key] = self.answered.get(key, 0) + 1
 
     def upstream_error(self, model: str, upstream: str, code: str) -> None:
         self._child(self.upstream_errors, model, upstream, code).inc()
