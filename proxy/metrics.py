@@ -39,7 +39,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from proxy.recorder import Recorder
 from proxy.router import Router
@@ -144,12 +143,16 @@ class _Tally:
         self.completion = 0
 
 
+# the ``le`` label of each bucket, as the client library writes it ("1.0", "+Inf")
+_LE = (*(repr(float(b)) for b in _BUCKETS), "+Inf")
+
+
 def _buckets(counts: list[int]) -> list[tuple[str, float]]:
     """Per-bucket counts as the cumulative ``le`` buckets of the exposition."""
     out, total = [], 0
-    for bound, n in zip((*_BUCKETS, math.inf), counts, strict=True):
+    for le, n in zip(_LE, counts, strict=True):
         total += n
-        out.append((floatToGoString(bound), float(total)))
+        out.append((le, float(total)))
     return out
 
 
