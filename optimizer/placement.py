@@ -25,12 +25,13 @@ names it (workflow, model, ordinal among that model's replicas) and says why.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.cluster import GB, Cluster, Gpu, Node, NvlinkDomain
 
 __all__ = [
+    "Fixed",
     "PlacedReplica",
     "Placement",
     "PlacementError",
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 EPS = 1e-9  # shares are sums of decimal fractions (0.1 + 0.2); compare with slack
+Fixed = tuple[str, tuple[int, ...], int]  # a demand's given place: node, GPUs, memory per GPU
 
 
 @dataclass(frozen=True)
@@ -258,12 +260,30 @@ def _why(cluster: Cluster, state: _State, d: ReplicaDemand) -> str:
     )
 
 
-def place(cluster: Cluster, demands: Sequence[ReplicaDemand]) -> Placement:
-    """Place every demand, or raise :class:`PlacementError` naming the first that cannot fit."""
+def place(
+    cluster: Cluster,
+    demands: Sequence[ReplicaDemand],
+    fixed: Mapping[int, Fixed] | None = None,
+) -> Placement:
+    """Place every demand, or raise :class:`PlacementError` naming the first that cannot fit.
+
+    ``fixed``: demands (by index) that already have a place (where a running replica of theirs
+    runs, :mod:`optimizer.plan.keep`); they keep it, and no other demand is placed on their
+    GPUs, so the GPU groups they form stay exactly what runs."""
     demands = tuple(demands)
     state = _State(cluster)
     placed: dict[int, PlacedReplica] = {}
+    for i, (node, gpus, memory) in sorted((fixed or {}).items()):
+        d = demands[i]
+        for index in gpus:
+            state.share[(node, index)] += d.share
+            state.memory[(node, index)] += memory
+        placed[i] = PlacedReplica(d, node, gpus, d.share, memory)
+    for node, index in {(n, g) for n, gpus, _ in (fixed or {}).values() for g in gpus}:
+        state.share[(node, index)] = 1.0  # full: nothing joins a kept group
     for i in placement_order(demands):
+        if i in placed:
+            continue
         d = demands[i]
         best = _best(state, cluster, d)
         if best is None:

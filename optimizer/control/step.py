@@ -72,7 +72,7 @@ from optimizer.control.proposal import (
 from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import Placement, PlacementError, place
-from optimizer.plan import planner
+from optimizer.plan import keep, planner
 from optimizer.plan import target as plan_target
 from optimizer.plan.observed import Observed
 from optimizer.plan.planner import Plan
@@ -316,7 +316,8 @@ def safe_plan(
     search_cluster: Cluster,
 ) -> tuple[Plan, Placement]:
     """Among ``placement`` and the other layouts of the same allocation (the
-    ``search_cluster``'s GPUs listed in other orders), the one whose plan leaves no served model
+    ``search_cluster``'s GPUs listed in other orders, each also with the running groups the
+    allocation still asks for kept where they run), the one whose plan leaves no served model
     without a replica in the fewest cold-start rounds (``Plan.rounds``), then starting the
     fewest replicas, ``placement`` first on ties; with the layout it goes to.
     :class:`PlanningError` if no layout's plan is safe."""
@@ -329,15 +330,19 @@ def safe_plan(
     floors = {m.name: m.min_memory_bytes for m in settings.rollout.models}
     demands = solve.replica_demands(result, floors)
     options = [(plan, placement)]
-    for variant in cluster_variants(search_cluster)[1:]:
-        try:
-            other = place(variant, demands)
-        except PlacementError:
-            continue
-        alt = planner.make_plan(
-            observed, plan_target.target_from_placement(other, revisions), cluster
-        )
-        options.append((alt, other))
+    # Each layout also with the running groups the allocation still asks for kept where they
+    # run (optimizer.plan.keep): on a full cluster that is often the only safe order.
+    kept = keep.kept_places(observed, demands, search_cluster, revisions)
+    for i, variant in enumerate(cluster_variants(search_cluster)):
+        for fixed in ([None] if i else []) + ([kept] if kept else []):
+            try:
+                other = place(variant, demands, fixed)
+            except PlacementError:
+                continue
+            alt = planner.make_plan(
+                observed, plan_target.target_from_placement(other, revisions), cluster
+            )
+            options.append((alt, other))
     best = quickest(options)
     if best is not None:
         return best
