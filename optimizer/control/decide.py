@@ -21,6 +21,9 @@ can drive them with any sequence of windows:
    gain is at least ``min_gain`` *and* the request-seconds it saves over ``horizon_s`` outweigh
    the move's cost. The cost (assumed model): for ``cold_start_s`` the moved fraction of the
    allocation is not serving, so that fraction of the traffic pays its current latency again.
+   The cooldown does not hold a proposal that serves traffic the running allocation cannot
+   (``urgent``): that backlog only grows while it waits; after a failed rollout it does (a
+   backoff, not a retry loop).
 
 Invariants:
 - every call returns a :class:`Decision` (taken or not) with human-readable reasons;
@@ -144,6 +147,7 @@ class DetectorState:
     baseline: Snapshot | None = None  # what the running allocation was judged for
     streaks: Mapping[str, int] = field(default_factory=dict)  # signal key -> windows in a row
     last_rollout_end: float | None = None
+    last_rollout_ok: bool = True  # a failed one backs off for the whole cooldown, urgent or not
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +315,7 @@ class Proposal:
     feasible: bool  # the proposal covers every workflow's rate with headroom
     moved_fraction: float  # replicas the move starts / replicas of the proposal, in [0, 1]
     same: bool  # the proposal is what runs (its plan has no steps)
+    relaxed: str = ""  # how the search relaxed its margins to cover every rate ("": it did not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,7 +384,21 @@ def judge(
         return Decision(det.t, "steady", ("no change past the thresholds",)), keep
     if proposal is None:
         raise ValueError("a confirmed change needs a proposal to judge")
-    if state.last_rollout_end is not None and det.t - state.last_rollout_end < cfg.cooldown_s:
+    if proposal.relaxed:
+        reasons += (
+            f"searched on {proposal.relaxed}: no allocation covers every rate with the "
+            "configured margins",
+        )
+    current = _weighted(proposal.outlook, "current")
+    proposed = _weighted(proposal.outlook, "proposed")
+    # What runs cannot serve the traffic and the proposal can: every window waited is backlog
+    # that only grows, so no cooldown holds it (as an autoscaler scales up at once and only
+    # stabilises scaling down). A proposal that cannot serve it either waits, or it would
+    # roll out again and again for nothing.
+    urgent = state.last_rollout_ok and not math.isfinite(current) and math.isfinite(proposed)
+    cooling = state.last_rollout_end is not None and det.t - state.last_rollout_end < cfg.cooldown_s
+    if cooling and not urgent:
+        assert state.last_rollout_end is not None
         left = cfg.cooldown_s - (det.t - state.last_rollout_end)
         return Decision(
             det.t, "hold_cooldown", (*reasons, f"cooldown: {left:.0f}s left"), det.changes
@@ -388,9 +407,9 @@ def judge(
         return Decision(
             det.t, "unchanged", (*reasons, "the best allocation is the running one"), det.changes
         ), _rebased(state, det, cfg.min_requests)
-    current = _weighted(proposal.outlook, "current")
-    proposed = _weighted(proposal.outlook, "proposed")
     if not math.isfinite(current):
+        if cooling:
+            reasons += ("cooldown waived: what runs cannot serve the traffic, the proposal can",)
         short = [o.workflow for o in proposal.outlook if not math.isfinite(o.current)]
         why = f"the running allocation cannot serve {', '.join(short)} at the observed rate"
         if not proposal.feasible and not math.isfinite(proposed):
@@ -460,4 +479,4 @@ def after_rollout(
     """State once a rollout ended at ``t_end``: ``decided`` (judge's) when it succeeded; when
     it failed, the state from before it (so the change is retried), both with the cooldown
     running from ``t_end``."""
-    return replace(decided if ok else before, last_rollout_end=t_end)
+    return replace(decided if ok else before, last_rollout_end=t_end, last_rollout_ok=ok)

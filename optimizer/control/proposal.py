@@ -241,7 +241,7 @@ def make_proposal(
         )
         for w in result.workflows
     )
-    return Proposal(outlook, result.feasible, moved_fraction(plan), plan.empty)
+    return Proposal(outlook, result.feasible, moved_fraction(plan), plan.empty, result.relaxed)
 
 
 def _num(x: float) -> float | None:

@@ -8,7 +8,8 @@ the same order, every configuration of every LLM's run on the GPU line
 applied to each row, and every
 remaining row predicted with the *whole-pipeline* :func:`optimizer.model.alp.predict_many` (so the
 search's per-LLM decomposition is checked too). Same selection, at the slow end of each
-prediction's uncertainty as the search ranks (``latency_high``, ``throughput_low``): the lowest
+prediction's uncertainty as the search ranks (``latency_high``, ``throughput_low``; the point
+estimates where the problem is not ``cautious``): the lowest
 upper-bound latency among rows whose lower-bound throughput covers ``rate x (1 + headroom)``;
 else, among rows of the highest lower-bound throughput ``T``, the lowest upper-bound latency at
 the rate ``T / (1 + headroom)``.
@@ -66,8 +67,8 @@ class ReferenceResult:
     allocation: dict[str, ModelAlloc]
     rows: int  # allocations (units x configurations) predicted
     seconds: float
-    latency_high: float = math.inf  # at served_rate, the slow end: what the rows ranked by
-    throughput_low: float = 0.0  # the slow end: what had to cover the goal
+    latency_high: float = math.inf  # at served_rate: what the rows ranked by (slow end if cautious)
+    throughput_low: float = 0.0  # what had to cover the goal (the slow end if cautious)
 
 
 def _compositions(length: int, total: int, cap: int | None) -> IntArray:
@@ -157,14 +158,14 @@ def solve(
 
     rate = target.rate
     pred = run(rate)
-    covers = pred.throughput_low >= goal * (1.0 - FEASIBLE_RTOL)
+    covers = _low(problem, pred) >= goal * (1.0 - FEASIBLE_RTOL)
     feasible = bool(covers.any())
     if not feasible:
-        top = float(pred.throughput_low.max())
+        top = float(_low(problem, pred).max())
         rate = top / (1.0 + problem.headroom)
         pred = run(rate)
-        covers = pred.throughput_low >= top * (1.0 - FEASIBLE_RTOL)
-    best = int(np.argmin(np.where(covers, pred.latency_high, np.inf)))
+        covers = _low(problem, pred) >= top * (1.0 - FEASIBLE_RTOL)
+    best = int(np.argmin(np.where(covers, _high(problem, pred), np.inf)))
     alloc = {
         st.model: ModelAlloc(int(reps[best, j]), int(tp[best, j]), float(share[best, j]))
         for j, st in enumerate(pipe.stages)
@@ -177,9 +178,19 @@ def solve(
         alloc,
         len(reps),
         time.perf_counter() - t0,
-        float(pred.latency_high[best]),
-        float(pred.throughput_low[best]),
+        float(_high(problem, pred)[best]),
+        float(_low(problem, pred)[best]),
     )
+
+
+def _low(problem: SearchProblem, pred: alp.BatchPrediction) -> FloatArray:
+    """The capacities a candidate must cover the goal with: the slow end, unless relaxed."""
+    return pred.throughput_low if problem.cautious else pred.throughput
+
+
+def _high(problem: SearchProblem, pred: alp.BatchPrediction) -> FloatArray:
+    """The latencies candidates rank by: the slow end, unless relaxed."""
+    return pred.latency_high if problem.cautious else pred.latency
 
 
 @dataclass(frozen=True)

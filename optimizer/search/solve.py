@@ -89,6 +89,7 @@ from optimizer.search.space import (
 from optimizer.search.welfare import TIE_TOL, policy
 
 __all__ = [
+    "MIN_HEADROOM",
     "ExcludedConfig",
     "ModelChoice",
     "PlacedSearch",
@@ -98,10 +99,17 @@ __all__ = [
     "WorkflowAllocation",
     "WorkflowTarget",
     "line_placement",
+    "relaxations",
     "replica_demands",
     "search",
     "search_and_place",
+    "search_as_posed",
 ]
+
+
+# The least headroom a relaxed search keeps: at its capacity itself a workflow's latency is
+# unbounded, so the goal stays a little above the rate.
+MIN_HEADROOM = 0.02
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ class SearchResult:
     granularity: int
     headroom: float
     stats: SearchStats  # totals over workflows, seconds for the whole search
+    relaxed: str = ""  # how the problem was relaxed to find it ("": as posed; see relaxations)
 
     @property
     def feasible(self) -> bool:
@@ -245,9 +254,13 @@ def _tables(
         stat=problem.stat,
         pooling=problem.pooling,
     )
-    # ranked at the slow end of the uncertainty (module docstring)
-    contribution = pred.contribution_high[inverse, 0]
-    capacity = pred.throughput_low[inverse]
+    # ranked at the slow end of the uncertainty (module docstring), unless relaxed
+    if problem.cautious:
+        contribution = pred.contribution_high[inverse, 0]
+        capacity = pred.throughput_low[inverse]
+    else:
+        contribution = pred.contribution[inverse, 0]
+        capacity = pred.throughput[inverse]
     cell = c.offset * (total + 1) + c.units
     covers = capacity >= target * (1.0 - FEASIBLE_RTOL)
     lat_key = np.where(covers & np.isfinite(contribution), contribution, np.inf)
@@ -405,7 +418,40 @@ def utility_curve(
 
 
 def search(problem: SearchProblem) -> SearchResult:
-    """The best allocation of every workflow of ``problem`` (see the module docstring)."""
+    """The best allocation of every workflow of ``problem`` (see the module docstring); where
+    no allocation covers every goal, the first relaxation that does (``relaxed`` names it)."""
+    result = search_as_posed(problem)
+    if result.feasible:
+        return result
+    for what, easier in relaxations(problem):
+        got = search_as_posed(easier)
+        if got.feasible:
+            return replace(got, relaxed=what)
+    return result
+
+
+def relaxations(problem: SearchProblem) -> list[tuple[str, SearchProblem]]:
+    """The easier problems a search with no feasible answer tries, in order: point estimates
+    instead of the slow end of their uncertainty, then also ``MIN_HEADROOM`` of headroom. A
+    margin taken for safety must not become the reason a workflow is declared infeasible and
+    every workflow is cut to an equal fraction of its rate (the egalitarian rule's answer to
+    an infeasible one), which is an unbounded backlog for all of them."""
+    out = []
+    if problem.cautious:
+        out.append(("point estimates", replace(problem, cautious=False)))
+    if problem.headroom > MIN_HEADROOM:
+        out.append(
+            (
+                f"point estimates, {MIN_HEADROOM:.0%} headroom",
+                replace(problem, cautious=False, headroom=MIN_HEADROOM),
+            )
+        )
+    return out
+
+
+def search_as_posed(problem: SearchProblem) -> SearchResult:
+    """The best allocation of every workflow of ``problem`` as posed, never relaxed (what the
+    reference solver checks exactly)."""
     t0 = time.perf_counter()
     layout = line_layout(problem.cluster, problem.granularity)
     flows = [_Workflow(problem, w, layout) for w in problem.workflows]

@@ -106,6 +106,9 @@ class SearchProblem:
     tp_degrees: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # default: profiled
     granularity: int = 10  # units per GPU
     headroom: float = 0.1  # throughput must cover rate x (1 + headroom)
+    # cover the goal and rank at the slow end of each prediction's uncertainty (False: point
+    # estimates, what a search that found nothing feasible that way tries next)
+    cautious: bool = True
     allow_tp: bool = True
     allow_fraction: bool = True
     welfare: str = "egalitarian"  # or "social" (optimizer.search.welfare)

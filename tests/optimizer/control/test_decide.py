@@ -169,15 +169,45 @@ def test_the_cooldown_delays_a_second_shift_then_it_is_rolled_out() -> None:
     assert len(loop.rollouts) == 2
     end = loop.state.last_rollout_end
     assert end is not None
-    # Doubles again at once: confirmed after three windows, held until the cooldown has passed.
+    # Up by a third, which what runs still serves (slowly): confirmed after three windows,
+    # held until the cooldown has passed.
     while t < end + cfg.cooldown_s:
-        d = loop.tick(t, 6.0, 600)
+        d = loop.tick(t, 4.0, 400)
         assert not d.taken
         t += 60
     assert any(d.kind == "hold_cooldown" and "cooldown" in d.reasons[-1] for d in loop.decisions)
-    d = loop.tick(t, 6.0, 600)
-    assert d.taken and d.changes[0].kind == "rate_shift" and d.changes[0].relative == 1.0
+    d = loop.tick(t, 4.0, 400)
+    assert d.taken and d.changes[0].kind == "rate_shift"
+    assert d.changes[0].relative == pytest.approx(1 / 3)
     assert len(loop.rollouts) == 3
+
+
+def test_the_cooldown_never_holds_traffic_what_runs_cannot_serve() -> None:
+    loop = Loop(cfg=replace(CFG, cooldown_s=900))
+    loop.tick(60, 1.0, 100)
+    t = 1200.0
+    for _ in range(3):
+        loop.tick(t, 3.0, 300)
+        t += 60
+    end = loop.state.last_rollout_end
+    assert end is not None and len(loop.rollouts) == 2
+    # Doubles: what runs (sized for 3/s) cannot serve 6/s and the proposal can, so the
+    # rollout comes once the shift is confirmed, inside the cooldown.
+    decisions = [loop.tick(t + 60 * k, 6.0, 600) for k in range(3)]
+    assert [d.kind for d in decisions] == ["pending", "pending", "rollout"]
+    assert decisions[-1].t < end + 900
+    assert "cooldown waived" in " ".join(decisions[-1].reasons)
+    # A proposal that cannot serve it either is held as before (no rollout after rollout).
+    base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
+    state = DetectorState(baseline=base, last_rollout_end=30.0)
+    det = detect(
+        state,
+        Snapshot(60, 120, MappingProxyType({"rag": _obs(9.0, 900)})),
+        replace(CFG, windows_to_confirm=1),
+    )
+    hopeless = Proposal((Outlook("rag", 9.0, math.inf, math.inf),), False, 1.0, False)
+    held, _ = judge(state, det, hopeless, CFG)
+    assert held.kind == "hold_cooldown"
 
 
 def _det_and_proposal(
@@ -332,3 +362,21 @@ def test_a_baseline_judged_on_an_all_running_window_keeps_its_models() -> None:
         state, Snapshot(120.0, 120.0, MappingProxyType({"rag": _obs(30.0, 900), "beam": beam})), CFG
     )
     assert not back.changes and not back.pending
+
+
+def test_a_proposal_found_on_relaxed_margins_says_so() -> None:
+    base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
+    state = DetectorState(baseline=base)
+    det = detect(
+        state,
+        Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)})),
+        replace(CFG, windows_to_confirm=1),
+    )
+    outlook = (Outlook("rag", 2.0, math.inf, 5.0),)
+    plain, _ = judge(state, det, Proposal(outlook, True, 1.0, False), CFG)
+    assert not any("searched on" in r for r in plain.reasons)
+    relaxed, _ = judge(state, det, Proposal(outlook, True, 1.0, False, "point estimates"), CFG)
+    assert relaxed.kind == "rollout"
+    assert "searched on point estimates: no allocation covers every rate" in " ".join(
+        relaxed.reasons
+    )
