@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from bench.evaluation.runs import COLD_START_S
-from bench.evaluation.scepsy import Knowledge, allocate, capacity, specs_of
+from bench.evaluation.scepsy import Knowledge, capacity, capacity_beside, specs_of
 from bench.evaluation.setup import (
     COMBINED_BEAM_FRACTION,
     DYNAMIC_DRAIN_S,
@@ -406,7 +406,7 @@ def _run(
 
 def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, Any]:
     beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-    top = allocate(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
+    top = capacity_beside(k, "rag", {"beam": beam_rate}, gpus)
     step_s = 480.0 if quick else 900.0
     steps = [(i * step_s, f * top) for i, f in enumerate(STEPS)]
     duration = step_s * len(STEPS)

@@ -51,6 +51,7 @@ from bench.evaluation.scepsy import (
     allocate,
     alp_view,
     capacity,
+    capacity_beside,
     knowledge_doc,
     knowledge_key,
     learn,
@@ -83,7 +84,9 @@ def _jobs(
     beam_rate = 0.0
     if kind == "combined":
         beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-        top = allocate(k, {"beam": beam_rate, "rag": 1e4}, gpus).predicted["rag"]["throughput"]
+        # anchored at RAG's capacity beside beam at its own rate (not at an unreachable
+        # RAG target, where the search would cut beam to RAG's fraction too)
+        top = capacity_beside(k, "rag", {"beam": beam_rate}, gpus)
         light = max(k.light_latency.values())
     else:
         top = capacity(k, kind, gpus)

@@ -353,6 +353,35 @@ def capacity(k: Knowledge, kind: str, gpus: int) -> float:
     return float(p.predicted[kind]["throughput"])
 
 
+def capacity_beside(
+    k: Knowledge, kind: str, others: Mapping[str, float], gpus: int, rtol: float = 0.01
+) -> float:
+    """Scepsy's predicted peak throughput of ``kind`` on ``gpus`` GPUs while every workflow of
+    ``others`` keeps its rate (requests/s) covered: the predicted throughput of ``kind`` in the
+    allocation for the largest rate of it the search covers beside them (bisection to
+    ``rtol``). Not ``kind`` at an unreachable target: there the search splits the cluster so
+    that every workflow serves the same fraction of its goal, and ``others`` with it fall
+    short of their rates. 0 where ``others`` alone are not covered."""
+
+    def covered(rate: float) -> SystemAllocation | None:
+        got = allocate(k, {**others, kind: rate}, gpus)
+        return got if got.feasible and got.placed else None
+
+    hi = capacity(k, kind, gpus)
+    best = covered(hi)
+    if best is not None:
+        return float(best.predicted[kind]["throughput"])
+    lo = 0.0
+    while hi - lo > rtol * hi:
+        mid = (lo + hi) / 2
+        got = covered(mid)
+        if got is None:
+            hi = mid
+        else:
+            lo, best = mid, got
+    return float(best.predicted[kind]["throughput"]) if best is not None else 0.0
+
+
 def alp_view(
     k: Knowledge, allocation: Allocation, targets: Mapping[str, float]
 ) -> dict[str, dict[str, float | None]]:

@@ -13,7 +13,7 @@ import pytest
 
 import optimizer.control.step
 from bench.evaluation import daemon as dynamic
-from bench.evaluation.scepsy import Knowledge, _from_doc, allocate, capacity
+from bench.evaluation.scepsy import Knowledge, _from_doc, allocate, capacity, capacity_beside
 from bench.evaluation.setup import (
     COMBINED_BEAM_FRACTION,
     cluster,
@@ -51,7 +51,7 @@ def test_the_daemons_settings_are_the_evaluations(gpus: int, tmp_path: Path) -> 
 def test_a_rate_step_is_rolled_out_and_what_runs_is_what_serves(tmp_path: Path) -> None:
     k = _k()
     beam = COMBINED_BEAM_FRACTION * capacity(k, "beam", GPUS)
-    top = allocate(k, {"beam": beam, "rag": 1e4}, GPUS).predicted["rag"]["throughput"]
+    top = capacity_beside(k, "rag", {"beam": beam}, GPUS)
     s = dynamic.daemon_settings(GPUS, tmp_path)
     fast = dataclasses.replace(
         s.optimizer,
@@ -92,3 +92,18 @@ def test_a_rate_step_is_rolled_out_and_what_runs_is_what_serves(tmp_path: Path) 
     for m in models:
         ours = {id(daemon.engines[r]) for r, rep in daemon.replicas.items() if rep.model == m}
         assert {id(e) for e in sim.serving(m)} == ours
+
+
+@pytest.mark.timeout(120)
+def test_rags_capacity_is_taken_beside_beam_at_its_own_rate() -> None:
+    k = _k()
+    beam = COMBINED_BEAM_FRACTION * capacity(k, "beam", GPUS)
+    top = capacity_beside(k, "rag", {"beam": beam}, GPUS)
+    near = allocate(k, {"beam": beam, "rag": 0.95 * top}, GPUS)
+    assert near.feasible and near.placed
+    assert near.predicted["beam"]["served_rate"] >= beam * (1 - 1e-9)
+    # At an unreachable RAG target the search cuts beam to RAG's fraction of its goal: a
+    # capacity read there is one beam does not get its rate beside.
+    unreachable = allocate(k, {"beam": beam, "rag": 1e4}, GPUS)
+    assert unreachable.predicted["beam"]["throughput"] < beam
+    assert unreachable.predicted["rag"]["throughput"] > top
