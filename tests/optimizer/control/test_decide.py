@@ -12,6 +12,7 @@ import pytest
 
 from optimizer.control.decide import (
     Decision,
+    Detection,
     DetectorState,
     ModelObs,
     Outlook,
@@ -210,13 +211,18 @@ def test_the_cooldown_never_holds_traffic_what_runs_cannot_serve() -> None:
     assert held.kind == "hold_cooldown"
 
 
+def _doubled(state: DetectorState, cfg: OptimizerSettings = CFG) -> Detection:
+    """A window with the rate doubled against ``state``'s baseline, confirmed at once."""
+    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)}))
+    return detect(state, snap, replace(cfg, windows_to_confirm=1))
+
+
 def _det_and_proposal(
     current: float, proposed: float, moved: float
 ) -> tuple[DetectorState, Decision]:
     base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
     state = DetectorState(baseline=base)
-    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)}))
-    det = detect(state, snap, replace(CFG, windows_to_confirm=1))
+    det = _doubled(state)
     proposal = Proposal((Outlook("rag", 2.0, current, proposed),), True, moved, False)
     decision, new = judge(state, det, proposal, CFG)
     return new, decision
@@ -235,11 +241,7 @@ def test_a_gain_below_min_gain_or_not_paying_for_the_move_is_held() -> None:
     cfg_short = replace(CFG, horizon_s=60)
     base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
     state = DetectorState(baseline=base)
-    det = detect(
-        state,
-        Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)})),
-        replace(cfg_short, windows_to_confirm=1),
-    )
+    det = _doubled(state, cfg_short)
     held, new = judge(
         state, det, Proposal((Outlook("rag", 2.0, 2.0, 1.6),), True, 1.0, False), cfg_short
     )
@@ -367,11 +369,7 @@ def test_a_baseline_judged_on_an_all_running_window_keeps_its_models() -> None:
 def test_a_proposal_found_on_relaxed_margins_says_so() -> None:
     base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
     state = DetectorState(baseline=base)
-    det = detect(
-        state,
-        Snapshot(60, 120, MappingProxyType({"rag": _obs(2.0, 200)})),
-        replace(CFG, windows_to_confirm=1),
-    )
+    det = _doubled(state)
     outlook = (Outlook("rag", 2.0, math.inf, 5.0),)
     plain, _ = judge(state, det, Proposal(outlook, True, 1.0, False), CFG)
     assert not any("searched on" in r for r in plain.reasons)
