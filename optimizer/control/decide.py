@@ -396,10 +396,10 @@ def judge(
     # stabilises scaling down). A proposal that cannot serve it either waits, or it would
     # roll out again and again for nothing.
     urgent = state.last_rollout_ok and not math.isfinite(current) and math.isfinite(proposed)
-    cooling = state.last_rollout_end is not None and det.t - state.last_rollout_end < cfg.cooldown_s
+    since = math.inf if state.last_rollout_end is None else det.t - state.last_rollout_end
+    cooling = since < cfg.cooldown_s
     if cooling and not urgent:
-        assert state.last_rollout_end is not None
-        left = cfg.cooldown_s - (det.t - state.last_rollout_end)
+        left = cfg.cooldown_s - since
         return Decision(
             det.t, "hold_cooldown", (*reasons, f"cooldown: {left:.0f}s left"), det.changes
         ), keep
