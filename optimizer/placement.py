@@ -14,7 +14,9 @@ The heuristic (most constrained first, as the paper's):
   would have with the replica placed, on its least-used fitting GPUs; among the most balanced,
   the domain with the least free capacity wins, so large domains stay whole for large groups;
 - intra-node stage, sub-GPU replicas (``tp == 1``, ``share < 1``): packed onto an already used
-  GPU first (the fullest one it fits on); only when none fits, an empty GPU by the domain rule.
+  GPU first (the fullest one it fits on); only when none fits, an empty GPU by the domain rule;
+- demands given a place (``fixed``: what runs, kept by a rollout) keep it, and the heuristic
+  places nothing else on their GPUs.
 
 Invariants of every result, checked by :func:`check_placement` before :func:`place` returns: no
 GPU over 100% share or over its memory; every replica's GPUs are ``tp`` distinct GPUs of one
@@ -274,13 +276,9 @@ def place(
     state = _State(cluster)
     placed: dict[int, PlacedReplica] = {}
     for i, (node, gpus, memory) in sorted((fixed or {}).items()):
-        d = demands[i]
+        placed[i] = PlacedReplica(demands[i], node, gpus, demands[i].share, memory)
         for index in gpus:
-            state.share[(node, index)] += d.share
-            state.memory[(node, index)] += memory
-        placed[i] = PlacedReplica(d, node, gpus, d.share, memory)
-    for node, index in {(n, g) for n, gpus, _ in (fixed or {}).values() for g in gpus}:
-        state.share[(node, index)] = 1.0  # full: nothing joins a kept group
+            state.share[(node, index)] = 1.0  # full: nothing joins a kept group
     for i in placement_order(demands):
         if i in placed:
             continue

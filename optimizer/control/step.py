@@ -332,17 +332,18 @@ def safe_plan(
     options = [(plan, placement)]
     # Each layout also with the running groups the allocation still asks for kept where they
     # run (optimizer.plan.keep): on a full cluster that is often the only safe order.
+    variants = cluster_variants(search_cluster)
     kept = keep.kept_places(observed, demands, search_cluster, revisions)
-    for i, variant in enumerate(cluster_variants(search_cluster)):
-        for fixed in ([None] if i else []) + ([kept] if kept else []):
-            try:
-                other = place(variant, demands, fixed)
-            except PlacementError:
-                continue
-            alt = planner.make_plan(
-                observed, plan_target.target_from_placement(other, revisions), cluster
-            )
-            options.append((alt, other))
+    layouts = [(v, None) for v in variants[1:]] + [(v, kept) for v in variants if kept]
+    for variant, fixed in layouts:
+        try:
+            other = place(variant, demands, fixed)
+        except PlacementError:
+            continue
+        alt = planner.make_plan(
+            observed, plan_target.target_from_placement(other, revisions), cluster
+        )
+        options.append((alt, other))
     best = quickest(options)
     if best is not None:
         return best
