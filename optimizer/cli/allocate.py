@@ -11,7 +11,7 @@ allocation against the best whole-GPU one (the search with fractions disabled).
 
 JSON shape (stable; more keys may be added)::
 
-    {"welfare", "objective", "feasible", "search": {candidates..., "seconds"},
+    {"welfare", "objective", "feasible", "relaxed", "search": {candidates..., "seconds"},
      "workflows": {NAME: {"rate", "served_rate", "feasible", "latency", "throughput",
                           "bottleneck", "utility", "gpus",
                           "models": {MODEL: {"replicas", "tp", "share", "gpus",
@@ -204,6 +204,7 @@ def to_json(
         "welfare": result.welfare,
         "objective": result.objective,
         "feasible": result.feasible,
+        "relaxed": result.relaxed,
         "search": asdict(result.stats),
         "workflows": {w.workflow: _workflow_json(w, result.granularity) for w in result.workflows},
         "placement": rows,
@@ -232,6 +233,8 @@ def _tables(result: SearchResult, placement: Placement | None) -> list[Table]:
     f = result.granularity
     for w in result.workflows:
         note = "feasible" if w.feasible else f"INFEASIBLE: serves {w.served_rate:.3g}/s"
+        if result.relaxed:
+            note += f" (on {result.relaxed})"
         alloc.add_row(
             w.workflow,
             "(all)",
