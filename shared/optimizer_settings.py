@@ -100,6 +100,12 @@ class OptimizerSettings:
     windows_to_confirm: int = setting(
         3, doc="consecutive windows a change must persist before the daemon acts on it"
     )
+    overload_windows_to_confirm: int = setting(
+        2,
+        doc="consecutive windows in which what runs is predicted past its capacity at the "
+        "observed rate before the daemon acts (at most windows_to_confirm: an overload's "
+        "backlog grows while it waits, as an autoscaler scales up at once)",
+    )
     token_drift_threshold: float = setting(
         0.5, doc="relative change of a model's mean prompt or completion tokens that counts"
     )
@@ -190,7 +196,13 @@ class OptimizerSettings:
             )
         if self.reserve_gpus < 0:
             raise SettingsError("reserve_gpus", "must not be negative")
-        for key in ("windows_to_confirm", "granularity", "min_requests", "health_failed_passes"):
+        for key in (
+            "windows_to_confirm",
+            "overload_windows_to_confirm",
+            "granularity",
+            "min_requests",
+            "health_failed_passes",
+        ):
             if getattr(self, key) < 1:
                 raise SettingsError(key, "must be at least 1")
         # Imported here: shared.settings imports this module to build the root settings.

@@ -13,7 +13,8 @@ can drive them with any sequence of windows:
    running allocation predicted past capacity at the observed arrival rate (``over_capacity``:
    a replica that became slower lowers its curve while overloaded, when too few requests
    complete to judge latency; both checked only on windows starting after the last rollout
-   ended). A confirmed change means "search again".
+   ended). An overload is confirmed after ``overload_windows_to_confirm`` windows, fewer:
+   its backlog grows while it waits. A confirmed change means "search again".
 2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
    allocation's and the proposal's predicted latency at the observed rate, and how much of
    the allocation the move restarts) and decides. A rollout happens only after the cooldown, and
@@ -285,11 +286,15 @@ def detect(
     streaks: dict[str, int] = {}
     for key, _ in seen:
         streaks[key] = state.streaks.get(key, 0) + 1
-    confirmed = [c for key, c in seen if streaks[key] >= cfg.windows_to_confirm]
+    overload = min(cfg.overload_windows_to_confirm, cfg.windows_to_confirm)
+    need = {
+        key: overload if c.kind == "over_capacity" else cfg.windows_to_confirm for key, c in seen
+    }
+    confirmed = [c for key, c in seen if streaks[key] >= need[key]]
     pending = [
-        replace(c, reason=f"{c.reason} [{streaks[key]}/{cfg.windows_to_confirm} windows]")
+        replace(c, reason=f"{c.reason} [{streaks[key]}/{need[key]} windows]")
         for key, c in seen
-        if streaks[key] < cfg.windows_to_confirm
+        if streaks[key] < need[key]
     ]
     return Detection(
         snap.t, tuple(now + confirmed), tuple(pending), MappingProxyType(streaks), snap

@@ -309,6 +309,29 @@ def test_an_allocation_predicted_past_capacity_is_searched_again_once_confirmed(
     assert not detect(recent, snap, cfg, predicted_now={"rag": math.inf}).pending
 
 
+def test_an_overload_is_confirmed_sooner_than_other_changes() -> None:
+    """Windows to confirm: 3 for a rate shift, 2 for what runs predicted past capacity (its
+    backlog grows while it waits); never more than windows_to_confirm."""
+    state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
+    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(3.0, 300)}))
+    first = detect(state, snap, CFG, predicted_now={"rag": math.inf})
+    assert not first.act
+    assert sorted(c.reason[-13:] for c in first.pending) == ["[1/2 windows]", "[1/3 windows]"]
+    second = detect(
+        replace(state, streaks=first.streaks),
+        replace(snap, t=120),
+        CFG,
+        predicted_now={"rag": math.inf},
+    )
+    assert [c.kind for c in second.changes] == ["over_capacity"]
+    assert [c.kind for c in second.pending] == ["rate_shift"]
+    # a capacity the running allocation still has (finite prediction): the shift waits for 3
+    calm = detect(replace(state, streaks=first.streaks), replace(snap, t=120), CFG, {"rag": 9.0})
+    assert not calm.act
+    one = replace(CFG, windows_to_confirm=1, overload_windows_to_confirm=2)
+    assert detect(state, snap, one, predicted_now={"rag": math.inf}).act
+
+
 def test_failures_and_failed_rollouts_keep_the_change_for_a_retry() -> None:
     state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
     cfg = replace(CFG, windows_to_confirm=1)
