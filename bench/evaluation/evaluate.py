@@ -11,8 +11,9 @@ Systems (``bench.evaluation.setup.SYSTEMS``): Scepsy as shipped (trace store -> 
 simulation, search + placement per rate: ``bench.evaluation.scepsy``), the Kubernetes HPA run
 dynamically (``sim.hpa`` on ``sim.dynamic``), per-LLM independent sizing and an even split
 (``bench.evaluation.static``), and Scepsy without TP / fractions / both. Rates are fractions of
-Scepsy's predicted capacity on each cluster; every system runs the same rates with the same
-seeds. A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
+Scepsy's predicted capacity on each cluster (combined: of RAG's capacity beside beam at its own
+rate, ``bench.evaluation.scepsy.capacity_beside``); every system runs the same rates with the
+same seeds. A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
 compares the daemon's decisions with the autoscaler over time (run alongside the points). A
 series of points (one system, workflow and cluster) stops after 2 consecutive rates it does
 not sustain. Profiles are cached under ``--cache``, keyed by the settings and the

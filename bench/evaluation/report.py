@@ -249,7 +249,7 @@ def markdown(
         f"Command: `{meta['command']}` — wall time {meta['wall_s']:.0f} s "
         f"({meta['workers']} workers). Rates swept: "
         f"{', '.join(f'{f:g}' for f in meta['rate_fractions'])} x Scepsy's predicted "
-        "capacity on each cluster."
+        "capacity on each cluster (combined: of RAG's capacity beside beam at its own rate)."
         + (
             f" A series (system, workflow, cluster) stops after {meta['stop_after']} "
             f"consecutive rates it does not sustain: {meta['skipped']} higher rates were "
