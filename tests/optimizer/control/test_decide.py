@@ -285,6 +285,20 @@ def test_new_workflows_and_models_act_at_once_token_and_latency_drift_need_confi
     ]
 
 
+def _next_window(
+    state: DetectorState, first: Detection, cfg: OptimizerSettings, predicted: float
+) -> Detection:
+    """The window after ``first`` (same traffic, 60 s later), with ``first``'s streaks and
+    rag's running allocation predicted at ``predicted`` s."""
+    snap = first.snapshot
+    return detect(
+        replace(state, streaks=first.streaks),
+        replace(snap, t=snap.t + 60),
+        cfg,
+        predicted_now={"rag": predicted},
+    )
+
+
 def test_an_allocation_predicted_past_capacity_is_searched_again_once_confirmed() -> None:
     """A replica that became slower: 2 requests completed in the window (below min_requests),
     the corrected profiles say what runs cannot carry the arrivals."""
@@ -293,12 +307,7 @@ def test_an_allocation_predicted_past_capacity_is_searched_again_once_confirmed(
     snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(1.0, 2, latency=30.0)}))
     first = detect(state, snap, cfg, predicted_now={"rag": math.inf})
     assert not first.act and [c.kind for c in first.pending] == ["over_capacity"]
-    second = detect(
-        replace(state, streaks=first.streaks),
-        replace(snap, t=120),
-        cfg,
-        predicted_now={"rag": math.inf},
-    )
+    second = _next_window(state, first, cfg, math.inf)
     assert [c.kind for c in second.changes] == ["over_capacity"]
     # a finite prediction, no arrivals, or a window overlapping the last rollout: nothing
     assert not detect(state, snap, cfg, predicted_now={"rag": 40.0}).pending
@@ -317,16 +326,11 @@ def test_an_overload_is_confirmed_sooner_than_other_changes() -> None:
     first = detect(state, snap, CFG, predicted_now={"rag": math.inf})
     assert not first.act
     assert sorted(c.reason[-13:] for c in first.pending) == ["[1/2 windows]", "[1/3 windows]"]
-    second = detect(
-        replace(state, streaks=first.streaks),
-        replace(snap, t=120),
-        CFG,
-        predicted_now={"rag": math.inf},
-    )
+    second = _next_window(state, first, CFG, math.inf)
     assert [c.kind for c in second.changes] == ["over_capacity"]
     assert [c.kind for c in second.pending] == ["rate_shift"]
     # a capacity the running allocation still has (finite prediction): the shift waits for 3
-    calm = detect(replace(state, streaks=first.streaks), replace(snap, t=120), CFG, {"rag": 9.0})
+    calm = _next_window(state, first, CFG, 9.0)
     assert not calm.act
     one = replace(CFG, windows_to_confirm=1, overload_windows_to_confirm=2)
     assert detect(state, snap, one, predicted_now={"rag": math.inf}).act
