@@ -153,7 +153,9 @@ def build_replicas(
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
     enable_prefix_caching: bool = True,
+    scheduling: Literal["fcfs", "priority"] = "fcfs",
 ) -> list[Replica]:
+    """The allocation's replicas, placed first-fit; the keywords are ``EngineCore``'s."""
     replicas: list[Replica] = []
     counters: dict[str, int] = {}
     for spec, gpus in place(allocation):
@@ -167,6 +169,7 @@ def build_replicas(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
+            scheduling=scheduling,
         )
         replicas.append(Replica(f"{spec.model}/{n}", spec, gpus, engine))
     for r in replicas:

@@ -14,6 +14,11 @@ Invariants:
   for at most ``drain_s`` past the last arrival, and counts the unfinished as failed;
 - a call the engine refuses (too long for the model or the KV cache) fails its request.
 
+Engine options (``engine_kw``, ``simulate``'s keywords): ``enable_prefix_caching=False``
+models engines without automatic prefix caching (vLLM v0.2); ``scheduling="priority"`` serves
+the waiting calls of the earliest-started workflow request first (every engine request's
+priority is its workflow request's arrival; ignored under the default FCFS).
+
 Run-time changes (autoscalers, controllers): build a :class:`Simulation`, schedule callables
 with :meth:`Simulation.at`; they may add replicas, withdraw them from routing (in-flight calls
 finish: a drain) and change a workload's rate while requests are in flight.
@@ -26,7 +31,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -129,13 +134,22 @@ class Simulation:
         record_calls: bool = False,
         fast_forward: bool = True,
         engine_kw: dict[str, Any] | None = None,
+        replicas: Mapping[str, Sequence[Replica]] | None = None,
     ) -> None:
+        """``replicas``: prebuilt replicas by the models they serve, used instead of the
+        allocation's (a replica may serve several models: ``sim.multiplex``)."""
         self.fast_forward = fast_forward
-        self.replicas = build_replicas(allocation, **(engine_kw or {}))
+        if replicas is None:
+            self.replicas = build_replicas(allocation, **(engine_kw or {}))
+            served = allocation.models()
+        else:
+            self.replicas = list(dict.fromkeys(r for pool in replicas.values() for r in pool))
+            served = {m for m, pool in replicas.items() if pool}
         self.router = Router(self.replicas, routing, random.Random(seed))
+        if replicas is not None:
+            self.router.by_model = {m: list(pool) for m, pool in replicas.items()}
         self.workloads = list(workloads)
         self.params = [w.resolved() for w in self.workloads]
-        served = allocation.models()
         for w, p in zip(self.workloads, self.params, strict=True):
             missing = set(models_of(p)) - served
             if missing:
@@ -229,7 +243,11 @@ class Simulation:
         try:
             for prompt in call.inputs:
                 rid = str(next(self.rid_counter))
-                engine.submit(EngineRequest(rid, prompt, call.output_tokens, self.now))
+                engine.submit(
+                    EngineRequest(
+                        rid, prompt, call.output_tokens, self.now, run.arrival, call.model
+                    )
+                )
                 rids.append(rid)
         except ValueError:
             for rid in rids:
@@ -424,6 +442,7 @@ def simulate(
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
     enable_prefix_caching: bool = True,
+    scheduling: Literal["fcfs", "priority"] = "fcfs",
     fast_forward: bool = True,
 ) -> SimResult:
     """Simulate ``workloads`` on ``allocation`` for ``duration_s`` of arrivals or until
@@ -445,6 +464,7 @@ def simulate(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        scheduling=scheduling,
         fast_forward=fast_forward,
     )[0]
 
@@ -463,6 +483,7 @@ def simulate_requests(
     max_num_batched_tokens: int = 8192,
     max_num_seqs: int = 256,
     enable_prefix_caching: bool = True,
+    scheduling: Literal["fcfs", "priority"] = "fcfs",
     fast_forward: bool = True,
 ) -> tuple[SimResult, tuple[RequestSpan, ...]]:
     """:func:`simulate`, plus every request's span in arrival order (for backlog trends and
@@ -481,6 +502,7 @@ def simulate_requests(
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
             "enable_prefix_caching": enable_prefix_caching,
+            "scheduling": scheduling,
         },
     )
     horizon = duration_s if duration_s is not None else math.inf

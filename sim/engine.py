@@ -15,15 +15,23 @@ Invariants:
 - every submitted request eventually finishes (or is aborted) provided it fits in the cache
   alone: ``submit`` refuses one that cannot;
 - a request whose prompt is entirely cached still recomputes its last block (as vLLM does,
-  the last token must run through the model to produce logits).
+  the last token must run through the model to produce logits);
+- ``scheduling="fcfs"`` (the default) admits waiting requests in submission order;
+  ``"priority"`` by ``EngineRequest.priority`` (lower first, ties in submission order), a
+  preempted request re-queued at its own rank (``sim.des`` sets a call's priority to its
+  workflow request's start: Ayo-style workflow-aware scheduling);
+- a ``prefilled`` request arrives with its prompt's KV computed elsewhere (disaggregated
+  prefill, ``sim.multiplex``) and its first token sampled: its admission computes one token
+  and counts no prefix-cache hit; a preemption drops that KV (recompute, as any request).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -62,6 +70,9 @@ class EngineRequest:
     prompt: Sequence[int]  # token ids (drivers derive them from text; shared prefixes share ids)
     output_tokens: int  # tokens this request will emit; 0 = prefill only (embed/rerank/score)
     arrival: float = 0.0  # driver's clock, for metrics only
+    priority: float = 0.0  # lower is served first under scheduling="priority"; else ignored
+    model: str = ""  # the model the call names (multi-model engines dispatch on it)
+    prefilled: bool = False  # prompt KV delivered by a prefill instance, first token sampled
 
 
 @dataclass
@@ -86,18 +97,22 @@ class _Seq:
         "full_blocks",
         "generated",
         "held",
+        "landed",
         "nblocks",
         "private",
         "prompt_len",
+        "rank",
         "registered",
         "req",
     )
 
-    def __init__(self, req: EngineRequest, block_size: int) -> None:
+    def __init__(self, req: EngineRequest, block_size: int, order: int = 0) -> None:
         self.req = req
         self.prompt_len = len(req.prompt)
         self.full_blocks = self.prompt_len // block_size  # prompt blocks the cache can hold
-        self.generated = 0
+        self.generated = 1 if req.prefilled else 0
+        self.landed = req.prefilled  # KV delivered, not yet admitted
+        self.rank = (req.priority, order)  # the waiting queue's order under "priority"
         self.computed = 0
         self.held: list[int] = []  # hashes of cached blocks this request references, in order
         self.private = 0  # blocks held outside the prefix cache
@@ -155,9 +170,12 @@ class EngineCore:
         max_num_seqs: int = 256,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        scheduling: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be >= 1")
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
         num_blocks = perf.kv_capacity_tokens() // block_size
         if num_blocks < 1:
             raise ValueError(
@@ -169,6 +187,8 @@ class EngineCore:
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.by_priority = scheduling == "priority"
+        self._submitted = 0
         self._pool = _BlockPool(num_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -220,9 +240,18 @@ class EngineCore:
                 f"{total} tokens exceed the KV cache "
                 f"({self._pool.num_blocks * self.block_size} tokens)"
             )
-        seq = _Seq(req, self.block_size)
+        seq = _Seq(req, self.block_size, self._submitted)
+        self._submitted += 1
         self._seqs[req.rid] = seq
-        self._waiting.append(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self._waiting.append(seq)
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Insert ``seq`` into the waiting queue at its rank (priority scheduling)."""
+        waiting = self._waiting
+        waiting.insert(bisect.bisect_right(waiting, seq.rank, key=lambda s: s.rank), seq)
 
     def abort(self, rid: str) -> None:
         """Drop a request wherever it is; unknown ids are ignored (it may have finished)."""
@@ -256,7 +285,10 @@ class EngineCore:
 
     def _preempt(self, seq: _Seq, out: StepOutcome) -> None:
         self._release(seq)
-        self._waiting.appendleft(seq)
+        if self.by_priority:
+            self._enqueue(seq)
+        else:
+            self._waiting.appendleft(seq)
         self.preemptions_total += 1
         out.preempted.append(seq.req.rid)
 
@@ -355,8 +387,12 @@ class EngineCore:
         waiting = self._waiting
         while waiting and budget > 0 and len(running) < self.max_num_seqs and not out.preempted:
             seq = waiting[0]
-            hits, in_lru = self._match_prefix(seq)
-            computed = hits * bs
+            if seq.landed:  # its prompt's KV arrived from a prefill instance: one token runs
+                hits, in_lru = 0, 0
+                computed = seq.prompt_len + seq.generated - 1
+            else:
+                hits, in_lru = self._match_prefix(seq)
+                computed = hits * bs
             n = min(seq.prompt_len + seq.generated - computed, budget)
             need = (computed + n + bs - 1) // bs - hits
             if need + in_lru > pool.free + len(lru):
@@ -370,9 +406,11 @@ class EngineCore:
                     del lru[h]
                 refs[h] = count + 1
             seq.registered = hits
-            seq.computed = seq.cached_tokens = computed
+            seq.computed = computed
+            seq.cached_tokens = hits * bs
+            seq.landed = False  # after a preemption it recomputes everything
             self.prefix_cache_queries += seq.prompt_len
-            self.prefix_cache_hits += computed
+            self.prefix_cache_hits += hits * bs
             pool.take(need)
             seq.private = need
             seq.nblocks = hits + need

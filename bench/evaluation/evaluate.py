@@ -10,7 +10,9 @@ Workflows: beam search, RAG + reranker, and both at once (beam fixed, RAG swept)
 Systems (``bench.evaluation.setup.SYSTEMS``): Scepsy as shipped (trace store -> stats, profiles by
 simulation, search + placement per rate: ``bench.evaluation.scepsy``), the Kubernetes HPA run
 dynamically (``sim.hpa`` on ``sim.dynamic``), per-LLM independent sizing and an even split
-(``bench.evaluation.static``), and Scepsy without TP / fractions / both. Rates are fractions of
+(``bench.evaluation.static``), Ayo (the even split without prefix caching, workflow-aware
+scheduling), Aegaeon at each prefill/decode split (``sim.multiplex``), and Scepsy without
+TP / fractions / both. Rates are fractions of
 Scepsy's predicted capacity on each cluster (combined: of RAG's capacity beside beam at its own
 rate, ``bench.evaluation.scepsy.capacity_beside``); every system runs the same rates with the
 same seeds. A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
@@ -46,7 +48,7 @@ import orjson
 
 from bench.evaluation.daemon import scenario
 from bench.evaluation.report import markdown, plot_curves, plot_dynamic, summarise
-from bench.evaluation.runs import PointJob, run_point
+from bench.evaluation.runs import HPA_SYSTEMS, PointJob, run_point
 from bench.evaluation.scepsy import (
     Knowledge,
     allocate,
@@ -59,6 +61,7 @@ from bench.evaluation.scepsy import (
 )
 from bench.evaluation.setup import (
     ABLATIONS,
+    AYO,
     COMBINED_BEAM_FRACTION,
     DYNAMIC_GPUS,
     FULL,
@@ -113,9 +116,9 @@ def _jobs(
                 }
             elif system == "independent":
                 allocation = independent(k, targets, gpus)
-            elif system == "even":
+            elif system in ("even", AYO):  # Ayo serves the user's hand allocation
                 allocation = even(kinds, gpus)
-            if allocation is not None and system in ("independent", "even"):
+            if allocation is not None and system in ("independent", "even", AYO):
                 ok, why = placeable(allocation, gpus)
                 meta = {"placed": ok, "note": why}
             if allocation is not None:
@@ -143,7 +146,7 @@ def _jobs(
 
 def _cost(job: PointJob) -> float:
     """Rough simulated work, to start the longest jobs first."""
-    hpa = job.allocation is None
+    hpa = job.system in HPA_SYSTEMS
     per_s = job.rate * (40.0 if job.kind == "beam" else 1.0) + job.beam_rate * 40.0
     span = (
         (job.lengths.hpa_warmup_s + job.lengths.hpa_window_s)

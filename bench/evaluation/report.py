@@ -4,7 +4,8 @@ Role: turn ``bench.evaluation.evaluate``'s points (one per system, workflow, clu
 ``summary[workflow][gpus][system] = {peak_throughput, latency_ratio_to_scepsy_median, ...}``,
 ``evaluation.md`` (a table per workflow next to the paper's figures, and every place where
 Scepsy is not at or above a baseline, with the planner's facts that explain it) and PNG curves
-in the layout of the paper's Fig. 6 (against the baselines) and Fig. 10 (ablations).
+in the layout of the paper's Fig. 6 (against the baselines), Fig. 7 and 8 (Aegaeon, Ayo)
+and Fig. 10 (ablations).
 
 Definitions: a system's peak is the highest *offered* rate among its sustained points
 (``max_sustained_rate``; a point whose allocation does not place on the cluster counts as not
@@ -28,7 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.evaluation.setup import DYNAMIC_DRAIN_S, HEADROOM, PAPER_ABLATION, PAPER_HPA, SYSTEMS
+from bench.evaluation.setup import (
+    AEGAEON_PREFILL_PER_NODE,
+    AYO,
+    DYNAMIC_DRAIN_S,
+    HEADROOM,
+    PAPER_ABLATION,
+    PAPER_AEGAEON,
+    PAPER_AYO,
+    PAPER_HPA,
+    SYSTEMS,
+)
 from sim.hpa import METRIC as HPA_METRIC
 
 Point = dict[str, Any]
@@ -175,6 +186,8 @@ def cause(s: dict[str, Any]) -> str:
 
 
 def _cause(s: dict[str, Any], b: dict[str, Any], sc: dict[str, Any], wf: str) -> str:
+    if b.get("alp") is None and s["system"] in AEGAEON_PREFILL_PER_NODE:
+        return "pooled instances switching models; the ALP cannot rate a multiplexed pool"
     if b.get("alp") is None:
         return (
             f"autoscaled (replicas over the window: {b.get('replica_range')}); the ALP "
@@ -218,6 +231,16 @@ def _cause(s: dict[str, Any], b: dict[str, Any], sc: dict[str, Any], wf: str) ->
             "LLM's replicas on scattered GPU pieces is outside its space)"
         )
     return f"{view}. ALP ranking: it rates Scepsy's allocation better, the simulator does not"
+
+
+def _paper_multiplex(system: str, wf: str, gpus: int) -> str:
+    """The paper's figure for Ayo or Aegaeon (any split: it reports the best) on ``wf``."""
+    if system == AYO and gpus in PAPER_AYO.get(wf, {}):
+        return f"{PAPER_AYO[wf][gpus]}x (vLLM v0.2 both)"
+    if system in AEGAEON_PREFILL_PER_NODE and gpus in PAPER_AEGAEON.get(wf, {}):
+        thr, lat = PAPER_AEGAEON[wf][gpus]
+        return f"{thr}x, latency {lat}x (best split)"
+    return ""
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -270,6 +293,16 @@ def markdown(
         "target 70%; `hpa` starts cold (one pod per model) at every rate, `hpa_warm` at "
         "the pod counts its own rule settles on at that rate (`sim.hpa.settled_counts`).",
         "",
+        "Ayo (paper Fig. 8): the `even` hand allocation on engines without prefix caching "
+        "(vLLM v0.2), waiting calls served by their workflow request's start; the paper ran "
+        "Scepsy on vLLM v0.2 for that comparison, here Scepsy keeps its prefix caches, so the "
+        "ratio includes their gain. Aegaeon (paper Fig. 7): every GPU a whole-GPU instance "
+        "multiplexing all models, one at a time, paying a model switch (weights and KV over "
+        "PCIe from host memory) when it changes model; `aegaeon_3p1d` etc. name the prefill/"
+        "decode instances per node; encoders and one-token calls run on prefill instances; "
+        "no prefix caching (`sim.multiplex`). Their paper figures: Scepsy's throughput gain "
+        "(and Aegaeon's latency ratio) against the baseline's best split.",
+        "",
     ]
     for wf, by_gpus in summary.items():
         lines += [f"## {wf}", ""]
@@ -302,6 +335,8 @@ def markdown(
                     paper = f"{thr}x, latency {lo}-{hi}x"
                 elif system.startswith("no_") and wf in PAPER_ABLATION:
                     paper = PAPER_ABLATION[wf]
+                else:
+                    paper = _paper_multiplex(system, wf, int(gpus))
                 peak = (">=" if e["censored"] else "") + _fmt(e["max_sustained_rate"])
                 measured = _fmt(e["peak_throughput"])
                 if not e.get("placeable", True):
@@ -443,7 +478,8 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
 
 
 def plot_curves(points: Sequence[Point], out: Path) -> list[str]:
-    """One PNG per workflow and cluster size: baselines (Fig. 6) and ablations (Fig. 10)."""
+    """One PNG per workflow and cluster size: baselines (Fig. 6), Ayo and Aegaeon (Fig. 7, 8)
+    and ablations (Fig. 10)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -452,9 +488,10 @@ def plot_curves(points: Sequence[Point], out: Path) -> list[str]:
     groups = _group(points)
     files = []
     for wf, gpus in sorted({(w, g) for w, g, _ in groups}):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
         panels = (
             ("vs baselines (Fig. 6)", ("scepsy", "hpa", "hpa_warm", "independent", "even")),
+            ("vs Ayo, Aegaeon (Fig. 7, 8)", ("scepsy", AYO, *AEGAEON_PREFILL_PER_NODE)),
             ("ablations (Fig. 10)", ("scepsy", "no_tp", "no_fraction", "no_tp_no_fraction")),
         )
         for ax, (title, systems) in zip(axes, panels, strict=True):

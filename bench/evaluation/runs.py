@@ -2,7 +2,9 @@
 
 Role: the unit of work ``bench.evaluation.evaluate`` farms out to a process pool. A :class:`PointJob`
 names the system, workflow kind, cluster size, offered rates and either a static allocation
-(run with ``sim.des.simulate``) or ``None`` for the autoscaler (run with ``sim.dynamic`` with
+(run with ``sim.des.simulate``; ``ayo`` without prefix caching, by workflow-request start) or ``None``
+for Aegaeon's pooled instances (``sim.multiplex.simulate_pooled`` at the system's split) and
+for the autoscaler (run with ``sim.dynamic`` with
 ``sim.hpa``, measured after its warm-up): ``hpa`` starts cold (one replica per model),
 ``hpa_warm`` at the pod counts its own rule settles on at the point's load
 (``sim.hpa.settled_counts``, over ``HPA_SETTLE_ROUNDS`` static runs of ``hpa_window_s / 4``).
@@ -23,11 +25,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.evaluation.setup import SUSTAINED, RunLengths, workflow_models, workloads
+from bench.evaluation.setup import (
+    AEGAEON_PREFILL_PER_NODE,
+    AYO,
+    GPU,
+    GPUS_PER_NODE,
+    SUSTAINED,
+    RunLengths,
+    workflow_models,
+    workloads,
+)
 from sim.cluster import Allocation
 from sim.des import SimResult, simulate
 from sim.dynamic import DynamicSimulation, run_dynamic
 from sim.hpa import METRIC, Hpa, settled_counts
+from sim.multiplex import simulate_pooled
 
 COLD_START_S = 90.0  # optimizer settings' cold_start_s default (calibration.md: 52-110 s)
 HPA_SYSTEMS = ("hpa", "hpa_warm")  # the autoscaler: cold and warm-started
@@ -53,7 +65,7 @@ def _window(job: PointJob) -> tuple[float, float, float]:
     lengths = job.lengths
     swept = "beam" if job.kind == "beam" else "rag"
     n = lengths.requests[swept]
-    if job.allocation is None:
+    if job.system in HPA_SYSTEMS:
         warm, window = lengths.hpa_warmup_s, lengths.hpa_window_s
     else:
         warm = lengths.warmup_latencies * job.light_latency
@@ -89,7 +101,26 @@ def run_point(job: PointJob) -> dict[str, Any]:
     warm, horizon, drain = _window(job)
     specs = workloads(job.kind, job.rate, job.beam_rate)
     extra: dict[str, Any] = {}
-    if job.allocation is None:
+    if job.system in AEGAEON_PREFILL_PER_NODE:
+        prefill = AEGAEON_PREFILL_PER_NODE[job.system]
+        try:
+            res, switches = simulate_pooled(
+                specs,
+                job.gpus,
+                prefill,
+                duration_s=horizon,
+                warmup_s=warm,
+                drain_s=drain,
+                seed=job.seed,
+                node_gpus=GPUS_PER_NODE,
+                gpu=GPU,
+            )
+        except ValueError as exc:  # a model no instance can hold (memory)
+            return {**_unserved(job, set()), "error": str(exc)}
+        extra = {"prefill_per_node": prefill, "switches": switches}
+    elif job.allocation is None:
+        if job.system not in HPA_SYSTEMS:
+            raise ValueError(f"{job.system}: a static system needs an allocation")
         models = workflow_models(job.kind)
         if len(models) > job.gpus:  # one whole-GPU pod per model cannot even start
             return _unserved(job, set(models[job.gpus :]))
@@ -123,6 +154,8 @@ def run_point(job: PointJob) -> dict[str, Any]:
                 warmup_s=warm,
                 drain_s=drain,
                 seed=job.seed,
+                enable_prefix_caching=job.system != AYO,  # Ayo runs on vLLM v0.2
+                scheduling="priority" if job.system == AYO else "fcfs",
             )
         except ValueError as exc:  # a replica the engine model refuses (memory)
             return {**_unserved(job, set()), "error": str(exc)}

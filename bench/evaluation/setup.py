@@ -8,7 +8,9 @@ Invariants:
 - every model's memory floor is weights + runtime reserve + a minimal KV cache, divided by the
   engines' memory utilisation (what ``sim.perf`` lets an engine use), so a floor-sized replica
   can hold the workflows' longest prompts;
-- the paper's figures are quoted, never computed; every figure this bench produces is simulated.
+- the paper's figures are quoted, never computed; every figure this bench produces is simulated;
+- the baselines the paper ran are modelled as it describes them, no better: Ayo on the hand
+  split without prefix caching, Aegaeon on every split it ran (``sim.multiplex``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ SYSTEMS = (
     "hpa_warm",
     "independent",
     "even",
+    "ayo",
+    "aegaeon_3p1d",
+    "aegaeon_2p2d",
+    "aegaeon_1p3d",
     "no_tp",
     "no_fraction",
     "no_tp_no_fraction",
@@ -47,6 +53,14 @@ ABLATIONS = {
     "no_fraction": (True, False),
     "no_tp_no_fraction": (False, False),
 }  # (allow_tp, allow_fraction)
+# Ayo (ASPLOS'25, paper §7.2 Fig. 8): the user's hand allocation ("even"), on vLLM v0.2 (no
+# automatic prefix caching), with workflow-aware scheduling (a call of an earlier-started
+# workflow request goes first): ``sim.des.simulate``'s engine options, in ``runs``.
+AYO = "ayo"
+# Aegaeon (SOSP'25, paper §7.2 Fig. 7): pooled whole-GPU instances multiplexing every model,
+# prefill instances per node of 4 (the rest decode): the paper's three splits
+# (``sim.multiplex``).
+AEGAEON_PREFILL_PER_NODE = {"aegaeon_3p1d": 3, "aegaeon_2p2d": 2, "aegaeon_1p3d": 1}
 WORKFLOWS = ("beam", "rag", "combined")
 BEAM, RAG = BeamParams(), RagParams()
 # Combined: beam search held at this fraction of Scepsy's beam-only capacity on the cluster
@@ -70,6 +84,10 @@ PAPER_HPA = {
     "beam": {4: (2.4, (1.4, 7.6)), 8: (1.5, (1.3, 5.2)), 16: (1.8, (1.7, 10.4))},
     "rag": {4: (1.5, (1.9, 14.9)), 8: (1.2, (1.2, 7.2)), 16: (1.2, (1.4, 27.0))},
 }
+# §7.2 Fig. 7 (Aegaeon, best split): throughput Scepsy / Aegaeon, latency Aegaeon / Scepsy;
+# Fig. 8 (Ayo, both on vLLM v0.2): throughput Scepsy / Ayo (latency: comparable at low load).
+PAPER_AEGAEON = {"beam": {4: (7.3, 14.1), 8: (6.8, 12.9)}, "rag": {4: (2.5, 3.4), 8: (2.9, 4.5)}}
+PAPER_AYO = {"beam": {4: 3.2, 8: 8.2}, "rag": {4: 2.1, 8: 2.4}}
 PAPER_ABLATION = {
     "rag": "co-location (fractional shares) is the biggest contributor to throughput",
     "beam": "tensor parallelism gives the latency reduction",
