@@ -104,7 +104,9 @@ class OptimizerSettings:
         2,
         doc="consecutive windows in which what runs is predicted past its capacity at the "
         "observed rate before the daemon acts (at most windows_to_confirm: an overload's "
-        "backlog grows while it waits, as an autoscaler scales up at once)",
+        "backlog grows while it waits, as an autoscaler scales up at once); one window when "
+        "the live window shows it too (requests slower by latency_drift_threshold, or too "
+        "few completing)",
     )
     token_drift_threshold: float = setting(
         0.5, doc="relative change of a model's mean prompt or completion tokens that counts"

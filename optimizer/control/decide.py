@@ -14,7 +14,11 @@ can drive them with any sequence of windows:
    a replica that became slower lowers its curve while overloaded, when too few requests
    complete to judge latency; both checked only on windows starting after the last rollout
    ended). An overload is confirmed after ``overload_windows_to_confirm`` windows, fewer:
-   its backlog grows while it waits. A confirmed change means "search again".
+   its backlog grows while it waits; and at once when the live window shows it too (requests
+   slower than the baseline's by ``latency_drift_threshold``, or too few completing while
+   enough arrive). An overloaded workflow is planned for its rate in the window's later half
+   when that is higher (:func:`planning_rate`: a rising rate). A confirmed change means
+   "search again".
 2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
    allocation's and the proposal's predicted latency at the observed rate, and how much of
    the allocation the move restarts) and decides. A rollout happens only after the cooldown, and
@@ -63,6 +67,7 @@ __all__ = [
     "failed",
     "judge",
     "keep_running",
+    "planning_rate",
     "snapshot_from_stats",
 ]
 
@@ -102,6 +107,14 @@ class WorkflowObs:
     requests: int  # completed requests in the window
     latency: float  # observed mean request latency (s)
     models: Mapping[str, ModelObs]
+    late_rate: float = math.nan  # arrivals per second over the window's later half
+
+
+def planning_rate(o: WorkflowObs) -> float:
+    """The rate an overloaded workflow is planned for: the window's, or its later half's when
+    that is higher (a rising rate: planning for the whole window's would size the allocation
+    for a rate already left behind, and roll out twice)."""
+    return max(o.rate, o.late_rate) if math.isfinite(o.late_rate) else o.rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +140,12 @@ def snapshot_from_stats(t: float, window_s: float, stats: Mapping[str, WorkflowS
             for m, ms in ws.models.items()
         }
         flows[name] = WorkflowObs(
-            name, ws.arrival_rate, ws.requests, ws.latency_mean, MappingProxyType(models)
+            name,
+            ws.arrival_rate,
+            ws.requests,
+            ws.latency_mean,
+            MappingProxyType(models),
+            ws.arrival_rate_late,
         )
     return Snapshot(t, window_s, MappingProxyType(flows))
 
@@ -170,6 +188,19 @@ def _rel(new: float, old: float) -> float:
     if old == 0.0:
         return 0.0 if new == 0.0 else math.inf
     return (new - old) / old
+
+
+def _overload_seen(
+    o: WorkflowObs, base: WorkflowObs, window_s: float, cfg: OptimizerSettings
+) -> str:
+    """What in the live window shows an overload ("": nothing does)."""
+    if o.requests >= cfg.min_requests:
+        if base.latency > 0 and o.latency > (1 + cfg.latency_drift_threshold) * base.latency:
+            return f"observed latency {base.latency:.3g}s -> {o.latency:.3g}s"
+        return ""
+    if base.requests >= cfg.min_requests and o.rate * window_s >= cfg.min_requests:
+        return f"{o.requests} of {round(o.rate * window_s)} requests completed in the window"
+    return ""
 
 
 def detect(
@@ -247,23 +278,23 @@ def detect(
                 )
     # What runs cannot carry the traffic by the profiles as corrected (a replica that became
     # slower teaches its capacity while overloaded, when too few requests complete to judge
-    # latency): a workflow with arrivals predicted past capacity.
+    # latency): a workflow with arrivals predicted past capacity. Confirmed at once when the
+    # live traffic corroborates it (requests slower than the baseline's by the latency drift
+    # threshold, or too few completing to judge while enough arrive): two signals that do not
+    # share their noise, and the backlog grows while a further window is waited for.
+    corroborated: set[str] = set()
     for w, o in sorted(snap.workflows.items()):
         pred = (predicted_now or {}).get(w)
         after = state.last_rollout_end is None or snap.t - snap.window_s >= state.last_rollout_end
         if pred is not None and math.isinf(pred) and o.rate > 0 and after and w in base.workflows:
-            seen.append(
-                (
-                    f"capacity:{w}",
-                    Change(
-                        "over_capacity",
-                        w,
-                        None,
-                        math.nan,
-                        f"{w}: what runs cannot carry {o.rate:.3g}/s by the profiles",
-                    ),
-                )
-            )
+            reason = f"{w}: what runs cannot carry {o.rate:.3g}/s by the profiles"
+            if planning_rate(o) > o.rate:
+                reason += f" ({o.late_rate:.3g}/s in the window's later half: planned for that)"
+            evidence = _overload_seen(o, base.workflows[w], snap.window_s, cfg)
+            if evidence:
+                corroborated.add(f"capacity:{w}")
+                reason += f"; {evidence}"
+            seen.append((f"capacity:{w}", Change("over_capacity", w, None, math.nan, reason)))
     for w, old in sorted(base.workflows.items()):
         if old.requests < cfg.min_requests and w not in trusted:
             continue  # a trickle (an index build, a probe) is not traffic to plan for
@@ -288,7 +319,10 @@ def detect(
         streaks[key] = state.streaks.get(key, 0) + 1
     overload = min(cfg.overload_windows_to_confirm, cfg.windows_to_confirm)
     need = {
-        key: overload if c.kind == "over_capacity" else cfg.windows_to_confirm for key, c in seen
+        key: (1 if key in corroborated else overload)
+        if c.kind == "over_capacity"
+        else cfg.windows_to_confirm
+        for key, c in seen
     }
     confirmed = [c for key, c in seen if streaks[key] >= need[key]]
     pending = [

@@ -52,6 +52,7 @@ from optimizer.control.decide import (
     failed,
     judge,
     keep_running,
+    planning_rate,
     snapshot_from_stats,
     waiting,
 )
@@ -216,6 +217,14 @@ def step(inp: StepInput, *, timer: Callable[[], float] = time.perf_counter) -> S
     if not det.act:
         decision, detector = judge(inp.state.detector, det, None, cfg)
         return replace(seen, decision=decision, state=replace(before, detector=detector))
+    # An overloaded workflow is planned for where its rate is heading (decide.planning_rate).
+    flows = det.snapshot.workflows
+    rates = {
+        w: planning_rate(flows[w])
+        if w in flows and any(c.kind == "over_capacity" and c.workflow == w for c in det.changes)
+        else r
+        for w, r in rates.items()
+    }
     return _replan(inp, seen, det, pipes, rates, timer)
 
 

@@ -153,6 +153,9 @@ class WorkflowStats:
     overlaps: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # Of tool_time_mean, the uncovered time right after calls that ran at once (module docstring)
     tool_time_after_fanout_mean: float = 0.0
+    # Arrivals per second over the window's later half (nan: the window is unbounded): a rate
+    # that is rising shows here a half window before it fills the whole window.
+    arrival_rate_late: float = math.nan
 
 
 def _cv(mean: float, mean_sq: float) -> float:
@@ -210,9 +213,10 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
     for w, wf in enumerate(got.workflows):
         n, n_s = int(n_req[w]), int(n_smp[w])
         n_arr = int(got.arrivals[w])
+        late = _late_rate(int(got.arrivals_late[w]), lo, hi)
         if n == 0:
             if got.unidentified[w] or n_arr:
-                out[wf] = _none_completed(wf, n_arr, int(got.unidentified[w]), lo, hi)
+                out[wf] = _none_completed(wf, n_arr, int(got.unidentified[w]), lo, hi, late)
             continue
         if lo is None or hi is None:  # the rate is (arrivals - 1) over first-to-last arrival
             t0 = got.req_t0[req_wf == w]
@@ -239,12 +243,20 @@ def assemble(got: Scan, window: Window, hi: int | None) -> dict[str, WorkflowSta
             union_requests=n_s,
             overlaps=overlaps.get(w, {}),
             tool_time_after_fanout_mean=float(sum_after_fanout[w] / n_s) / US,
+            arrival_rate_late=late,
         )
     return dict(sorted(out.items()))
 
 
+def _late_rate(arrivals_late: int, lo: int | None, hi: int | None) -> float:
+    """Arrivals per second over ``[(lo + hi) // 2, hi)`` (nan without both bounds)."""
+    if lo is None or hi is None or hi <= lo:
+        return math.nan
+    return arrivals_late / ((hi - (lo + hi) // 2) / US)
+
+
 def _none_completed(
-    wf: str, arrivals: int, unidentified: int, lo: int | None, hi: int | None
+    wf: str, arrivals: int, unidentified: int, lo: int | None, hi: int | None, late: float
 ) -> WorkflowStats:
     """A workflow with calls but no completed request: every call lacked a request id (still
     show its count), or every request that arrived is still running (an overloaded workflow
@@ -267,6 +279,7 @@ def _none_completed(
         bimodal=None,
         union_requests=0,
         tool_time_after_fanout_mean=math.nan,
+        arrival_rate_late=late,
     )
 
 

@@ -128,7 +128,7 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
     has_open = _call_table(con, t)
     counted = _windowed_counts(con, t, bounds)
     _request_table(con, t, bounds, has_open)
-    arrivals = _arrivals(con, t, coded)
+    arrivals, arrivals_late = _arrivals(con, t, coded, bounds)
     wf_calls, wf_requests, lowest = _completed_per_workflow(con, t, coded)
     # Ordered, so that float sums over them come out the same every time.
     req = con.execute(f"""
@@ -147,6 +147,7 @@ def _scan(con: duckdb.DuckDBPyConnection, t: _Names, bounds: Bounds, union_cap: 
         workflows=coded.workflows,
         pairs=coded.pairs,
         arrivals=arrivals,
+        arrivals_late=arrivals_late,
         unidentified=tally.unidentified,
         req_pair=_i32(req, "pair"),
         req_t0=_i64(req, "t0"),
@@ -292,14 +293,22 @@ def _request_table(
     """)
 
 
-def _arrivals(con: duckdb.DuckDBPyConnection, t: _Names, coded: _Pairs) -> I64:
-    """Per workflow code, the requests that arrived in the window."""
-    rows = con.execute(f"SELECT pk, count(*) FROM {t.r} WHERE arrived GROUP BY pk").fetchall()
-    return _per_workflow(
-        [(coded.pair_of[int(key)], int(n)) for key, n in rows],
-        coded.wf_of_pair,
-        len(coded.workflows),
+def _arrivals(
+    con: duckdb.DuckDBPyConnection, t: _Names, coded: _Pairs, bounds: Bounds
+) -> tuple[I64, I64]:
+    """Per workflow code, the requests that arrived in the window, and those of them that
+    arrived in its later half (none counted when the window is unbounded)."""
+    lo, hi = bounds.lo, bounds.hi
+    late = f"t0 >= {(int(lo) + int(hi)) // 2}" if lo is not None and hi is not None else "false"
+    rows = con.execute(f"""
+        SELECT pk, count(*), count(*) FILTER (WHERE {late}) FROM {t.r} WHERE arrived GROUP BY pk
+    """).fetchall()
+    n_wf = len(coded.workflows)
+    all_, later = (
+        _per_workflow([(coded.pair_of[int(r[0])], int(r[i])) for r in rows], coded.wf_of_pair, n_wf)
+        for i in (1, 2)
     )
+    return all_, later
 
 
 def _completed_per_workflow(

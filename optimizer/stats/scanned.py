@@ -41,6 +41,7 @@ class Scan:
     workflows: tuple[str, ...]
     pairs: tuple[tuple[int, str], ...]  # (workflow code, model; "" if null) per pair code
     arrivals: I64  # per workflow code: requests that arrived in the window
+    arrivals_late: I64  # of those, the ones that arrived in its later half (0: unbounded window)
     unidentified: I64  # per workflow code: windowed calls without a request id
     # every completed request, ordered by first start (then key)
     req_pair: I32  # the pair of one of its calls (for its workflow)

@@ -23,6 +23,7 @@ from optimizer.control.decide import (
     detect,
     failed,
     judge,
+    planning_rate,
 )
 from shared.optimizer_settings import OptimizerSettings
 
@@ -300,22 +301,68 @@ def _next_window(
 
 
 def test_an_allocation_predicted_past_capacity_is_searched_again_once_confirmed() -> None:
-    """A replica that became slower: 2 requests completed in the window (below min_requests),
-    the corrected profiles say what runs cannot carry the arrivals."""
+    """The corrected profiles say what runs cannot carry the arrivals, and the live window
+    does not (yet) show it: confirmed after overload_windows_to_confirm windows."""
     cfg = replace(CFG, windows_to_confirm=2)
     state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
-    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(1.0, 2, latency=30.0)}))
+    snap = Snapshot(60, 120, MappingProxyType({"rag": _obs(1.0, 100, latency=2.5)}))
     first = detect(state, snap, cfg, predicted_now={"rag": math.inf})
     assert not first.act and [c.kind for c in first.pending] == ["over_capacity"]
     second = _next_window(state, first, cfg, math.inf)
     assert [c.kind for c in second.changes] == ["over_capacity"]
     # a finite prediction, no arrivals, or a window overlapping the last rollout: nothing
-    assert not detect(state, snap, cfg, predicted_now={"rag": 40.0}).pending
+    finite = detect(state, snap, cfg, predicted_now={"rag": 40.0})
+    assert "over_capacity" not in {c.kind for c in finite.pending}
     idle = Snapshot(60, 120, MappingProxyType({"rag": _obs(0.0, 2, latency=30.0)}))
     kinds = {c.kind for c in detect(state, idle, cfg, {"rag": math.inf}).pending}
     assert kinds == {"rate_shift"}  # traffic gone is a shift down, not a lack of capacity
     recent = replace(state, last_rollout_end=50.0)
     assert not detect(recent, snap, cfg, predicted_now={"rag": math.inf}).pending
+
+
+@pytest.mark.parametrize(
+    ("obs", "evidence"),
+    [
+        (_obs(3.0, 300, latency=4.0), "observed latency 2s -> 4s"),  # slower past 50%
+        (_obs(3.0, 2, latency=30.0), "2 of 360 requests completed in the window"),  # stalled
+    ],
+)
+def test_an_overload_the_live_window_shows_is_confirmed_at_once(
+    obs: WorkflowObs, evidence: str
+) -> None:
+    """Predicted past capacity and seen in the live window (requests slower than the
+    baseline's by the latency drift threshold, or too few completing while enough arrive):
+    two signals that do not share their noise, so no second window is waited for."""
+    state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
+    det = detect(state, Snapshot(60, 120, MappingProxyType({"rag": obs})), CFG, {"rag": math.inf})
+    assert [c.kind for c in det.changes] == ["over_capacity"]
+    assert det.changes[0].reason.endswith(evidence)
+    # the same window with capacity left by the profiles: no overload, whatever it shows
+    calm = detect(state, Snapshot(60, 120, MappingProxyType({"rag": obs})), CFG, {"rag": 9.0})
+    assert not calm.act
+
+
+def test_an_overload_not_seen_live_waits_for_its_second_window() -> None:
+    """Noise: latency up by less than the drift threshold, or a baseline that itself had too
+    few completed requests to compare with."""
+    state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)})))
+    near = Snapshot(60, 120, MappingProxyType({"rag": _obs(3.0, 300, latency=2.9)}))
+    assert not detect(state, near, CFG, {"rag": math.inf}).act
+    thin = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 3)})))
+    stalled = Snapshot(60, 120, MappingProxyType({"rag": _obs(3.0, 2, latency=math.nan)}))
+    assert not detect(thin, stalled, CFG, {"rag": math.inf}).act
+
+
+def test_a_rising_overload_is_planned_for_its_later_half_rate() -> None:
+    rising = replace(_obs(10.0, 300, latency=9.0), late_rate=16.0)
+    assert planning_rate(rising) == 16.0
+    assert planning_rate(replace(rising, late_rate=7.0)) == 10.0  # falling: the window's
+    assert planning_rate(replace(rising, late_rate=math.nan)) == 10.0  # unknown: the window's
+    state = DetectorState(baseline=Snapshot(0, 120, MappingProxyType({"rag": _obs(5.0, 500)})))
+    det = detect(
+        state, Snapshot(60, 120, MappingProxyType({"rag": rising})), CFG, {"rag": math.inf}
+    )
+    assert "(16/s in the window's later half: planned for that)" in det.changes[0].reason
 
 
 def test_an_overload_is_confirmed_sooner_than_other_changes() -> None:

@@ -456,3 +456,24 @@ def test_the_proposal_and_what_runs_are_predicted_where_they_are_placed() -> Non
     assert out.result is not None
     (searched,) = [w for w in out.result.workflows if w.workflow == "rag"]
     assert rag.proposed <= searched.latency  # the search ranks on the packed end
+
+
+def test_an_overload_seen_live_is_planned_at_once_for_its_later_half_rate() -> None:
+    """What runs was planned for 1 request/s; a window at 12/s whose later half ran at 14/s,
+    its requests slower than the baseline's: one window, and the search plans for 14/s."""
+    loop = Loop(_settings())
+    loop.tick(1.0)
+    loop.tick(1.0)
+
+    def window(late: float, latency: float) -> StepOutput:
+        stats = {"rag": replace(_stats(12.0, latency)["rag"], arrival_rate_late=late)}
+        return _step(loop.state, stats, loop.observed, loop.settings, loop.t)
+
+    out = window(14.0, 10.0)
+    assert out.predicted_now["rag"] == math.inf
+    assert out.decision.taken and [c.kind for c in out.decision.changes] == ["over_capacity"]
+    assert out.proposal is not None and out.proposal.outlook[0].rate == 14.0
+    falling = window(8.0, 10.0)
+    assert falling.proposal is not None and falling.proposal.outlook[0].rate == 12.0
+    unseen = window(14.0, 1.5)  # the live window does not show it: a second window first
+    assert unseen.decision.kind == "pending" and unseen.proposal is None

@@ -328,3 +328,19 @@ def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(write_st
     assert wf.requests == 0 and wf.arrivals == 6 and not wf.models
     assert wf.arrival_rate == pytest.approx(6 / 25) and wf.window_s == pytest.approx(25)
     assert math.isnan(wf.latency_mean)
+
+
+def test_the_later_half_of_the_window_has_its_own_arrival_rate(write_store: Write) -> None:
+    """Window [0, 40) s of arrivals (settle 0): 4 requests in the first half, 13 in the later
+    one (one still running); a rising rate shows in the later half before it fills the
+    window. The store is written in two parts, so the first read sees only the running one."""
+    window = Window(t_from_us=0, t_to_us=40 * S, settle_us=0)
+    store = write_store([_opened(call("w", "late", "gen", 39.0, None))])
+    running = summarise_store(store, window)["w"]  # none completed: arrivals are the figure
+    assert running.requests == 0 and running.arrival_rate_late == pytest.approx(1 / 20)
+    starts = [2.0, 7.0, 12.0, 17.0] + [20.0 + 1.5 * i for i in range(12)]
+    write_store([call("w", f"r{i}", "gen", t, t + 0.5) for i, t in enumerate(starts)])
+    wf = summarise_store(store, window)["w"]
+    assert wf.arrivals == 17 and wf.arrival_rate == pytest.approx(17 / 40)
+    assert wf.arrival_rate_late == pytest.approx(13 / 20)
+    assert math.isnan(summarise_store(store)["w"].arrival_rate_late)  # no bounds: unknown
