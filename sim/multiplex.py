@@ -63,11 +63,10 @@ QUANTUM_S = 0.5  # assumed: service a model keeps while another waits (10x a 1B 
 AFFINITY_SLACK = 4  # assumed: calls a holder may lead the least loaded instance by
 
 
-def switch_seconds(model: str, kv_tokens_moved: int = 0) -> float:
+def switch_seconds(model: str, kv_bytes_moved: int = 0) -> float:
     """Seconds an instance spends switching to ``model``: its weights in from host memory,
-    plus ``kv_tokens_moved`` tokens of KV swapped (out of the old model, into the new)."""
-    spec = MODELS[model]
-    moved = spec.weight_bytes + kv_tokens_moved * spec.kv_bytes_per_token
+    plus ``kv_bytes_moved`` of KV swapped (the old model's out, the new model's back in)."""
+    moved = MODELS[model].weight_bytes + kv_bytes_moved
     return SWITCH_FIXED_S + moved / HOST_LINK_BYTES_PER_S
 
 
@@ -157,11 +156,13 @@ class PooledEngine(EngineCore):
                 return m
         return None
 
-    def _held_tokens(self, model: str | None) -> int:
+    def _held_bytes(self, model: str | None) -> int:
+        """KV bytes ``model``'s requests hold here (what a switch swaps out or back in)."""
         if model is None:
             return 0
         e = self.engines[model]
-        return round(e.kv_usage * e.num_blocks * e.block_size)
+        tokens = round(e.kv_usage * e.num_blocks * e.block_size)
+        return tokens * MODELS[model].kv_bytes_per_token
 
     def step(self) -> StepOutcome:
         active = self.engines[self.active] if self.active is not None else None
@@ -170,7 +171,7 @@ class PooledEngine(EngineCore):
             nxt = self._next()
             if nxt is None:
                 return StepOutcome(0.0)
-            moved = self._held_tokens(self.active) + self._held_tokens(nxt)
+            moved = self._held_bytes(self.active) + self._held_bytes(nxt)
             cost = switch_seconds(nxt, moved)
             self.active, self.used = nxt, 0.0
             self.switches += 1

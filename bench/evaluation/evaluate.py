@@ -15,7 +15,7 @@ scheduling), Aegaeon at each prefill/decode split (``sim.multiplex``), and Sceps
 TP / fractions / both. Rates are fractions of
 Scepsy's predicted capacity on each cluster (combined: of RAG's capacity beside beam at its own
 rate, ``bench.evaluation.scepsy.capacity_beside``); every system runs the same rates with the
-same seeds. A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
+same seeds, and Ayo and Aegaeon also a few rates below them (``BELOW_SWEEP_FRACTIONS``). A second scenario (``bench.evaluation.daemon``) steps the RAG rate while beam holds steady and
 compares the daemon's decisions with the autoscaler over time (run alongside the points). A
 series of points (one system, workflow and cluster) stops after 2 consecutive rates it does
 not sustain. Profiles are cached under ``--cache``, keyed by the settings and the
@@ -62,6 +62,8 @@ from bench.evaluation.scepsy import (
 from bench.evaluation.setup import (
     ABLATIONS,
     AYO,
+    BELOW_SWEEP_FRACTIONS,
+    BELOW_SWEEP_SYSTEMS,
     COMBINED_BEAM_FRACTION,
     DYNAMIC_GPUS,
     FULL,
@@ -96,11 +98,13 @@ def _jobs(
         top = capacity(k, kind, gpus)
         light = k.light_latency[kind]
     jobs = []
-    for i, f in enumerate(fractions):
+    below = [s for s in systems if s in BELOW_SWEEP_SYSTEMS]
+    sweep = [(f, systems) for f in fractions] + [(f, below) for f in BELOW_SWEEP_FRACTIONS]
+    for i, (f, at_f) in enumerate(sweep):
         rate = f * top
         targets = {"beam": beam_rate, "rag": rate} if kind == "combined" else {kind: rate}
         kinds = tuple(targets)
-        for system in systems:
+        for system in at_f:
             meta: dict[str, Any] = {}
             allocation = None
             if system in ABLATIONS:

@@ -32,6 +32,7 @@ from typing import Any
 from bench.evaluation.setup import (
     AEGAEON_PREFILL_PER_NODE,
     AYO,
+    BELOW_SWEEP_FRACTIONS,
     DYNAMIC_DRAIN_S,
     HEADROOM,
     PAPER_ABLATION,
@@ -300,8 +301,10 @@ def markdown(
         "multiplexing all models, one at a time, paying a model switch (weights and KV over "
         "PCIe from host memory) when it changes model; `aegaeon_3p1d` etc. name the prefill/"
         "decode instances per node; encoders and one-token calls run on prefill instances; "
-        "no prefix caching (`sim.multiplex`). Their paper figures: Scepsy's throughput gain "
-        "(and Aegaeon's latency ratio) against the baseline's best split.",
+        "no prefix caching (`sim.multiplex`). Both also run at "
+        f"{', '.join(f'{f:g}' for f in BELOW_SWEEP_FRACTIONS)} x capacity, below the sweep. "
+        "Their paper figures: Scepsy's throughput gain (and Aegaeon's latency ratio) against "
+        "the baseline's best split.",
         "",
     ]
     for wf, by_gpus in summary.items():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from bench.evaluation.setup import (
     AEGAEON_PREFILL_PER_NODE,
@@ -97,23 +97,25 @@ def _figures(res: SimResult) -> dict[str, Any]:
     return out
 
 
+class _RunWindow(TypedDict):
+    """The simulators' run keywords every static or pooled point shares."""
+
+    duration_s: float
+    warmup_s: float
+    drain_s: float
+    seed: int
+
+
 def run_point(job: PointJob) -> dict[str, Any]:
     warm, horizon, drain = _window(job)
     specs = workloads(job.kind, job.rate, job.beam_rate)
     extra: dict[str, Any] = {}
+    run: _RunWindow = {"duration_s": horizon, "warmup_s": warm, "drain_s": drain, "seed": job.seed}
     if job.system in AEGAEON_PREFILL_PER_NODE:
         prefill = AEGAEON_PREFILL_PER_NODE[job.system]
         try:
             res, switches = simulate_pooled(
-                specs,
-                job.gpus,
-                prefill,
-                duration_s=horizon,
-                warmup_s=warm,
-                drain_s=drain,
-                seed=job.seed,
-                node_gpus=GPUS_PER_NODE,
-                gpu=GPU,
+                specs, job.gpus, prefill, **run, node_gpus=GPUS_PER_NODE, gpu=GPU
             )
         except ValueError as exc:  # a model no instance can hold (memory)
             return {**_unserved(job, set()), "error": str(exc)}
@@ -150,10 +152,7 @@ def run_point(job: PointJob) -> dict[str, Any]:
             res = simulate(
                 job.allocation,
                 specs,
-                duration_s=horizon,
-                warmup_s=warm,
-                drain_s=drain,
-                seed=job.seed,
+                **run,
                 enable_prefix_caching=job.system != AYO,  # Ayo runs on vLLM v0.2
                 scheduling="priority" if job.system == AYO else "fcfs",
             )

@@ -72,6 +72,11 @@ COMBINED_BEAM_FRACTION = 0.3
 # and ten rates at 16 GPUs did not finish in 26 min.
 RATE_FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.2)
 QUICK_RATE_FRACTIONS = (0.2, 0.5, 0.8, 1.0, 1.2)
+# Ayo and Aegaeon also run below the sweep (full and quick): the paper puts their peaks at
+# 1/2 to 1/8 of Scepsy's, under the sweep's lowest rate for beam search. Cheap points: a
+# series stops after two rates it does not sustain.
+BELOW_SWEEP_SYSTEMS = ("ayo", "aegaeon_3p1d", "aegaeon_2p2d", "aegaeon_1p3d")
+BELOW_SWEEP_FRACTIONS = (0.05, 0.1, 0.15)
 # The dynamic scenario runs on 8 GPUs (paper Fig. 9), also in --quick: on 4 GPUs the
 # autoscaler cannot start one whole-GPU pod for each of the five models.
 DYNAMIC_GPUS = 8

@@ -8,7 +8,7 @@ Role: allocations for ``bench.evaluation.evaluate``'s "independent" and "even" s
   GPU units are split in proportion to demand (at least the model's memory floor, largest
   remainders), each model's units become whole-GPU TP-1 replicas plus one fractional replica
   for the remainder. No TP, no latency view: it balances utilisation, not request latency.
-- even (a user's hand configuration): the GPUs are split equally between workflows, and inside
+- even (a user's hand configuration; Ayo's allocation too): the GPUs are split equally between workflows, and inside
   a workflow equally between its models as whole GPUs (the remainder to the largest models);
   with fewer GPUs than models, the largest models get a GPU each and the smaller ones share
   the last GPU equally.

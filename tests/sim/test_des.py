@@ -6,13 +6,21 @@ import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from optimizer.stats.reader import summarise_store
 from shared.store import SegmentWriter, StoreReader
 from sim.cluster import Allocation, Router, build_replicas, place
-from sim.des import SimResult, Simulation, WorkflowResult, WorkloadSpec, simulate
+from sim.des import (
+    SimResult,
+    Simulation,
+    WorkflowResult,
+    WorkloadSpec,
+    simulate,
+    simulate_requests,
+)
 from sim.engine import EngineRequest
 from sim.perf import perf_model
 from sim.trace import call_rows, open_rows, write_trace
@@ -391,3 +399,30 @@ def test_two_half_shares_never_serve_more_than_one_whole_gpu_at_saturation() -> 
     halves = _saturated_rerank_calls_per_s(0.5, 2)
     # two schedulers batch twice the tokens per step at most: a sliver of launch overhead
     assert 0.8 * whole < halves <= 1.03 * whole
+
+
+@pytest.mark.timeout(60)
+def test_ayo_options_hit_no_cache_and_finish_workflow_requests_in_start_order() -> None:
+    one = Allocation.of(("llama-3-8b", "a6000", 1, 1.0, 1))
+    spec = [WorkloadSpec("fanout", 2.0, FanoutParams(models=("llama-3-8b", "llama-3-8b")))]
+
+    def ends(
+        prefix: bool = True, scheduling: Literal["fcfs", "priority"] = "fcfs"
+    ) -> tuple[list[float], float]:
+        res, spans = simulate_requests(
+            one,
+            spec,
+            n_requests=20,
+            seed=4,
+            max_num_seqs=1,
+            enable_prefix_caching=prefix,
+            scheduling=scheduling,
+        )
+        assert all(s.end >= 0 for s in spans)
+        return [s.end for s in spans], res.replicas[0].prefix_hit_rate
+
+    fcfs, hits = ends()
+    assert hits > 0 and fcfs != sorted(fcfs)  # later requests overtake under FCFS
+    ayo, no_hits = ends(False, "priority")
+    assert no_hits == 0.0
+    assert ayo == sorted(ayo)  # an earlier-started request's calls always go first

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import pytest
 
@@ -257,3 +259,44 @@ def test_sustained_overload_keeps_throughput_at_saturation(perf: PerfModel, out:
     # requests keep decoding, new ones wait, preemption (tiny KV) evicts the newest only.
     saturation = _open_loop(perf, 1000.0, 20.0, 300, out)
     assert _open_loop(perf, 2.0 * saturation, 40.0, 300, out) >= 0.9 * saturation
+
+
+@pytest.mark.timeout(30)
+def test_priority_scheduling_admits_the_earliest_workflow_request_first() -> None:
+    def first_tokens(scheduling: Literal["fcfs", "priority"]) -> list[str]:
+        engine = EngineCore(
+            perf_model("llama-3.2-1b", "a6000"), max_num_seqs=1, scheduling=scheduling
+        )
+        for rid, priority in (("late", 5.0), ("early", 1.0), ("early2", 1.0), ("mid", 3.0)):
+            engine.submit(EngineRequest(rid, tokens(len(rid), 40), 3, priority=priority))
+        _, outs = run(engine)
+        return [rid for o in outs for rid in o.first_token]
+
+    assert first_tokens("fcfs") == ["late", "early", "early2", "mid"]
+    assert first_tokens("priority") == ["early", "early2", "mid", "late"]  # ties: submission
+    with pytest.raises(ValueError, match="scheduling"):
+        EngineCore(perf_model("llama-3.2-1b", "a6000"), scheduling="lifo")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_a_preempted_request_keeps_its_rank_under_priority_scheduling() -> None:
+    engine = EngineCore(tiny_gpu(64 * 16), scheduling="priority")
+    for i in range(8):
+        engine.submit(EngineRequest(f"r{i}", tokens(i, 100), 200, priority=float(8 - i)))
+    _, outs = run(engine)
+    assert engine.preemptions_total > 0
+    finished = [rid for o in outs for rid in o.finished]
+    assert finished == [f"r{i}" for i in reversed(range(8))]  # lower priority value first
+
+
+@pytest.mark.timeout(30)
+def test_a_prefilled_request_computes_one_token_then_decodes_the_rest() -> None:
+    perf = perf_model("llama-3.2-1b", "a6000")
+    engine = EngineCore(perf, enable_prefix_caching=False)
+    engine.submit(EngineRequest("a", tokens(1, 2000), 5, prefilled=True))
+    _, outs = run(engine)
+    assert outs[0].duration == pytest.approx(perf.step_time(1, 0, 0))  # not a 2000-token prefill
+    assert not any(o.first_token for o in outs)  # its first token was sampled at prefill
+    assert sum(n for o in outs for _, n in o.emitted) == 4
+    assert outs[-1].finished == ["a"] and engine.prefix_cache_hits == 0
+    assert engine.kv_usage == 0.0

@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from bench.evaluation import evaluate
-from bench.evaluation.report import cause, summarise
+from bench.evaluation.report import cause, markdown, summarise
 from bench.evaluation.runs import PointJob
 from bench.evaluation.scepsy import PROFILE_KEYS
-from bench.evaluation.setup import QUICK, SYSTEMS, WORKFLOWS
+from bench.evaluation.setup import AEGAEON_PREFILL_PER_NODE, QUICK, SYSTEMS, WORKFLOWS
 
 # model -> (calls per request, parallelism, light-load call latency s, whole-GPU calls/s)
 FAKE = {
@@ -122,6 +122,14 @@ def test_evaluate_tiny_run_has_every_system(tmp_path: Path) -> None:
     # combined needs five whole-GPU pods: on 4 GPUs the autoscaler cannot serve it
     assert all(("unserved" in p) == (p["workflow"] == "combined") for p in hpa)
     assert all("scaling_events" in p for p in hpa if p["workflow"] != "combined")
+    # Ayo serves the hand split; Aegaeon pools every GPU at its own split and switches models
+    by = {(p["workflow"], p["system"]): p for p in points}
+    for wf in WORKFLOWS:
+        assert by[wf, "ayo"]["allocation"] == by[wf, "even"]["allocation"]
+        for system, prefill in AEGAEON_PREFILL_PER_NODE.items():
+            p = by[wf, system]
+            assert p["prefill_per_node"] == prefill and "unserved" not in p
+            assert len(p["switches"]) == 4
     md = (tmp_path / "evaluation.md").read_text()
     for wf in WORKFLOWS:
         assert f"## {wf}" in md
@@ -310,3 +318,28 @@ def test_a_system_that_never_places_is_not_applicable_not_zero() -> None:
     s = summary["beam"]["4"]
     assert not s["hpa"]["placeable"] and not s["even"]["placeable"]
     assert s["independent"]["placeable"] and s["scepsy"]["placeable"]
+
+
+@pytest.mark.timeout(30)
+def test_the_report_sets_ayo_and_aegaeon_beside_the_papers_figures() -> None:
+    points = [
+        _pt("scepsy", 1.0, 1.0, True),
+        _pt("scepsy", 2.0, 2.0, True),
+        _pt("ayo", 1.0, 1.0, True, 1.5),
+        _pt("ayo", 2.0, 1.2, False),
+        _pt("aegaeon_3p1d", 1.0, 0.4, False, 9.0, switches={"prefill/0": {"switches": 3}}),
+        _pt("aegaeon_1p3d", 1.0, 0.0, False, unserved=[]),
+    ]
+    summary, shortfalls = summarise(points)
+    s = summary["beam"]["4"]
+    assert s["ayo"]["throughput_ratio_scepsy_over"] == 2.0
+    assert s["aegaeon_3p1d"]["max_sustained_rate"] == 0.0 and s["aegaeon_3p1d"]["placeable"]
+    assert not s["aegaeon_1p3d"]["placeable"] and shortfalls == []
+    meta = {"command": "test", "wall_s": 1.0, "workers": 1, "rate_fractions": [0.5, 1.0]}
+    rows = {
+        line.split("|")[2].strip(): line
+        for line in markdown(summary, shortfalls, meta, None, points).splitlines()
+        if line.startswith("| 4 |")
+    }
+    assert "3.2x" in rows["ayo"] and "7.3x, latency 14.1x" in rows["aegaeon_3p1d"]
+    assert "| n/a | n/a |" in rows["aegaeon_1p3d"]
