@@ -143,6 +143,7 @@ class SimulatedDaemon:
     control: ControlState = field(default_factory=ControlState)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     rollouts: list[float] = field(default_factory=list)  # when a rollout was decided (sim s)
+    rollout_ends: list[float] = field(default_factory=list)  # when each one ended
     unplaced: list[float] = field(default_factory=list)  # changes not placeable or plannable
     started: int = 0  # replicas started by rollouts
     replicas: dict[str, RunningReplica] = field(default_factory=dict)  # what a backend sees
@@ -212,7 +213,12 @@ class SimulatedDaemon:
         out = step(inp)
         # record (a rollout's outcome is added when it ends)
         d = out.decision
-        entry: dict[str, Any] = {"t": sim.now, "kind": d.kind}
+        entry: dict[str, Any] = {
+            "t": sim.now,
+            "kind": d.kind,
+            # what runs, predicted at the window's rates (None: past its capacity)
+            "predicted": {w: _finite(x) for w, x in out.predicted_now.items()},
+        }
         if d.kind not in ("no_data", "steady", "pending"):
             entry |= {"reasons": d.reasons, "rates": {w: s.arrival_rate for w, s in stats.items()}}
         self.decisions.append(entry)
@@ -227,6 +233,7 @@ class SimulatedDaemon:
 
         def done() -> None:
             entry["outcome"] = "ok"
+            self.rollout_ends.append(sim.now)
             self.control = out.after_rollout(T0 + sim.now, ok=True)
             self.busy = False
 
@@ -256,6 +263,47 @@ class SimulatedDaemon:
                 writer.write(rows)
             finally:
                 writer.close()
+
+
+def _finite(x: float) -> float | None:
+    return x if np.isfinite(x) else None
+
+
+def step_check(
+    sim: DynamicSimulation,
+    steps: list[tuple[float, float]],
+    duration: float,
+    spans: list[tuple[float, float]],
+    passes: list[dict[str, Any]],
+    window_s: float,
+) -> list[dict[str, Any]]:
+    """The issue's promise per rate step: once the step's rollout ended (``spans``: each
+    rollout's start and end; none in the step: from the step's start), each workflow's mean
+    latency over the requests arriving until the step ends, against the steady-state
+    prediction: what runs predicted at the observed rates by the last pass in the step whose
+    window started after that rollout ended (``None`` where none did). ``unfinished``:
+    those requests still running at the end of the run."""
+    out = []
+    bounds = [t for t, _ in steps] + [duration]
+    for lo, hi in itertools.pairwise(bounds):
+        settled = max([end for start, end in spans if lo <= start < hi] + [lo])
+        judged = [p for p in passes if settled + window_s <= p["t"] <= hi]
+        predicted = judged[-1]["predicted"] if judged else {}
+        row: dict[str, Any] = {"from": lo, "to": hi, "settled": settled, "workflows": {}}
+        for w, spec in enumerate(sim.workloads):
+            runs = [r for r in sim.runs if r.workflow == w and settled <= r.arrival < hi]
+            done = [r.end - r.arrival for r in runs if r.end >= 0 and not r.failed]
+            mean = float(np.mean(done)) if done else None
+            pred = predicted.get(spec.label)
+            row["workflows"][spec.label] = {
+                "observed": mean,
+                "predicted": pred,
+                "ratio": mean / pred if mean is not None and pred else None,
+                "requests": len(runs),
+                "unfinished": len(runs) - len(done),
+            }
+        out.append(row)
+    return out
 
 
 def _drained(engines: list[Replica]) -> bool:
@@ -377,11 +425,15 @@ def _run(
         res = run_dynamic(sim, duration, 0.0, DYNAMIC_DRAIN_S)
     finally:
         shutil.rmtree(store, ignore_errors=True)
+    checks: list[dict[str, Any]] = []
     if isinstance(controller, SimulatedDaemon):
         times = list(controller.rollouts)
         started = controller.started
         log: Any = controller.decisions
         unplaced = list(controller.unplaced)
+        ends = controller.rollout_ends + [duration] * (len(times) - len(controller.rollout_ends))
+        spans = list(zip(times, ends, strict=True))  # one still running ends with the run
+        checks = step_check(sim, steps, duration, spans, log, controller.cfg.window_s)
     else:
         times = sorted({c.t for c in sim.changes if c.kind in ("start", "retire")})
         started = sum(c.count for c in sim.changes if c.kind == "start")
@@ -399,6 +451,7 @@ def _run(
         "latency_p90": {w: r.latency.p90 for w, r in res.workflows.items()},
         "failed": {w: r.failed for w, r in res.workflows.items()},
         "timeline": _timeline(sim, duration),
+        "steps": checks,
         "log": log,
         "wall_s": res.wall_s,
     }

@@ -19,7 +19,10 @@ the state to carry on, the proposal and the rollout plan):
    (:func:`optimizer.plan.planner.make_plan`; a plan that would leave a served model without a
    replica is re-tried on other layouts of the same allocation, else refused), refuse a plan
    that stops serving a model still called (in the window, or in the last :data:`RECENT_S`
-   seconds: ``StepInput.recent_models``), and judge the :class:`Proposal`.
+   seconds: ``StepInput.recent_models``), and judge the :class:`Proposal`. An overloaded
+   workflow is planned for its rate in the window's later half when that is higher
+   (:func:`optimizer.control.decide.planning_rate`), and for the window's rate when that
+   cannot be planned (the reasons say so).
 
 What the step does not do is what touches the world: reading the store and the backend, timing
 the search for the metric aside (``timer``), rolling out, recording. A taken decision is rolled
@@ -217,15 +220,24 @@ def step(inp: StepInput, *, timer: Callable[[], float] = time.perf_counter) -> S
     if not det.act:
         decision, detector = judge(inp.state.detector, det, None, cfg)
         return replace(seen, decision=decision, state=replace(before, detector=detector))
-    # An overloaded workflow is planned for where its rate is heading (decide.planning_rate).
+    # An overloaded workflow is planned for where its rate is heading (decide.planning_rate);
+    # when that cannot be planned (no placement, no safe rollout order), for the window's rate.
     flows = det.snapshot.workflows
-    rates = {
+    heading = {
         w: planning_rate(flows[w])
         if w in flows and any(c.kind == "over_capacity" and c.workflow == w for c in det.changes)
         else r
         for w, r in rates.items()
     }
-    return _replan(inp, seen, det, pipes, rates, timer)
+    out = _replan(inp, seen, det, pipes, heading, timer)
+    if heading == rates or out.decision.kind != "error":
+        return out
+    fallback = _replan(inp, seen, det, pipes, rates, timer)
+    if fallback.decision.kind == "error":
+        return out
+    note = f"planned at the window's rates: at the later half's, {out.decision.reasons[-1]}"
+    d = fallback.decision
+    return replace(fallback, decision=replace(d, reasons=(*d.reasons, note)))
 
 
 def _replan(

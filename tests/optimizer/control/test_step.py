@@ -11,12 +11,17 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
+import pytest
+
 from optimizer.control.decide import DetectorState
 from optimizer.control.step import ControlState, StepInput, StepOutput, quickest, step
 from optimizer.model.curves import ProfileBook
 from optimizer.plan.observed import Observed, Route, RunningReplica
 from optimizer.plan.planner import Plan, make_plan
 from optimizer.plan.target import ReplicaSpec, group_specs
+from optimizer.search import solve
+from optimizer.search.solve import PlacedSearch
+from optimizer.search.space import SearchProblem
 from optimizer.stats.figures import ModelStats, TokenStats, WorkflowStats
 from shared.profile_points import ProfilePoint
 from shared.settings import Settings, settings_from_mapping
@@ -477,3 +482,37 @@ def test_an_overload_seen_live_is_planned_at_once_for_its_later_half_rate() -> N
     assert falling.proposal is not None and falling.proposal.outlook[0].rate == 12.0
     unseen = window(14.0, 1.5)  # the live window does not show it: a second window first
     assert unseen.decision.kind == "pending" and unseen.proposal is None
+
+
+def test_an_overload_that_cannot_be_planned_at_its_later_half_rate_is_planned_at_the_window_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search that cannot place past 13/s (a fake standing in for a full cluster): the
+    later half's 14/s fails, so the pass plans for the window's 12/s and says why; when
+    the window's rate fails as well, the error is the later half's."""
+    loop = Loop(_settings())
+    loop.tick(1.0)
+    loop.tick(1.0)
+    real = solve.search_and_place
+
+    def full_past_13(problem: SearchProblem, max_attempts: int = 8) -> PlacedSearch:
+        got = real(problem, max_attempts)
+        if max(t.rate for t in problem.workflows) > 13.0:
+            return replace(got, placement=None, failures=("the cluster is full",))
+        return got
+
+    monkeypatch.setattr(solve, "search_and_place", full_past_13)
+
+    def window(rate: float, late: float) -> StepOutput:
+        stats = {"rag": replace(_stats(rate, 10.0)["rag"], arrival_rate_late=late)}
+        return _step(loop.state, stats, loop.observed, loop.settings, loop.t)
+
+    out = window(12.0, 14.0)
+    assert out.decision.taken and out.proposal is not None
+    assert out.proposal.outlook[0].rate == 12.0
+    assert out.decision.reasons[-1] == (
+        "planned at the window's rates: at the later half's, "
+        "PlanningError: no placement fits: the cluster is full"
+    )
+    both = window(13.5, 14.0)
+    assert both.decision.kind == "error" and both.decision.reasons[-1].endswith("is full")
