@@ -133,7 +133,8 @@ class PooledEngine(EngineCore):
 
     def holds(self, model: str) -> bool:
         """``model`` is on the GPU or has calls queued here."""
-        return self.active == model or self.engines[model].has_work()
+        engine = self.engines.get(model)
+        return engine is not None and (self.active == model or engine.has_work())
 
     @property
     def num_running(self) -> int:
@@ -218,6 +219,8 @@ class _PoolRouter(Router):
 
 
 def pick_instance(pool: Sequence[Replica], model: str) -> Replica:
+    """The least loaded instance of ``pool`` holding ``model``, unless it leads the least
+    loaded of all by more than ``AFFINITY_SLACK`` calls (then that one)."""
     least = min(pool, key=lambda r: r.outstanding)
     holders = [r for r in pool if isinstance(r.engine, PooledEngine) and r.engine.holds(model)]
     best = min(holders, key=lambda r: r.outstanding, default=None)
