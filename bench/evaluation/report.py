@@ -466,6 +466,7 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
             "searched allocation did not place, or no rollout order kept every model served "
             "(an `error` decision, retried the next pass); see `log` in evaluation.json.",
         ]
+    lines += _step_check_lines(sc.get("steps", []))
     steps = sc.get("per_step", [2])
     ok = all(n <= 1 for n in steps)
     answered = sum(1 for n in steps[1:] if n >= 1)
@@ -478,6 +479,42 @@ def dynamic_markdown(d: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _step_check_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Scepsy per rate step, once the step's rollout ended: mean latency against what runs
+    predicted (the promise: at most 2x), and requests left unfinished at the end."""
+    if not rows:
+        return []
+    names = list(rows[0]["workflows"])
+    out = [
+        "",
+        "Scepsy per rate step, from the end of the step's rollout (or the step's start) to "
+        "the step's end: observed mean latency of the requests arriving then, against what "
+        "runs predicted at the observed rates by the step's last pass whose window began "
+        "after the rollout ended (the promise: at most 2x); unfinished: those still running "
+        "when the run ended.",
+        "",
+        "| step (s) | settled at (s) | "
+        + " | ".join(f"{w} observed / predicted (s) | {w} ratio" for w in names)
+        + " |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
+    for r in rows:
+        cells = []
+        for w in names:
+            c = r["workflows"][w]
+            ratio = c["ratio"]
+            flag = "" if ratio is None or ratio <= 2.0 else " **over 2x**"
+            left = f", {c['unfinished']} unfinished" if c["unfinished"] else ""
+            cells.append(
+                f"{_fmt(c['observed'])} / {_fmt(c['predicted'])} | "
+                f"{'-' if ratio is None else _fmt(ratio, 2)}{flag}{left}"
+            )
+        out.append(
+            f"| {r['from']:.0f}-{r['to']:.0f} | {r['settled']:.0f} | " + " | ".join(cells) + " |"
+        )
+    return out
 
 
 def plot_curves(points: Sequence[Point], out: Path) -> list[str]:

@@ -92,6 +92,17 @@ def test_a_rate_step_is_rolled_out_and_what_runs_is_what_serves(tmp_path: Path) 
     for m in models:
         ours = {id(daemon.engines[r]) for r, rep in daemon.replicas.items() if rep.model == m}
         assert {id(e) for e in sim.serving(m)} == ours
+    # the per-step check starts the step at its rollout's end and reads what runs' prediction
+    assert len(daemon.rollout_ends) == len(daemon.rollouts)
+    spans = list(zip(daemon.rollouts, daemon.rollout_ends, strict=True))
+    steps = [(0.0, 0.25 * top), (120.0, 0.7 * top)]
+    rows = dynamic.step_check(sim, steps, 300.0, spans, log, fast.window_s)
+    assert [r["from"] for r in rows] == [0.0, 120.0]
+    assert rows[1]["settled"] == max(end for start, end in spans if start >= 120.0)
+    rag = rows[1]["workflows"]["rag"]
+    assert rag["requests"] > 0 and rag["observed"] is not None
+    if rag["predicted"] is not None:
+        assert rag["ratio"] == pytest.approx(rag["observed"] / rag["predicted"])
 
 
 @pytest.mark.timeout(120)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from bench.evaluation import evaluate
-from bench.evaluation.report import cause, markdown, summarise
+from bench.evaluation.report import cause, dynamic_markdown, markdown, summarise
 from bench.evaluation.runs import PointJob
 from bench.evaluation.scepsy import PROFILE_KEYS
 from bench.evaluation.setup import AEGAEON_PREFILL_PER_NODE, QUICK, SYSTEMS, WORKFLOWS
@@ -343,3 +344,35 @@ def test_the_report_sets_ayo_and_aegaeon_beside_the_papers_figures() -> None:
     }
     assert "3.2x" in rows["ayo"] and "7.3x, latency 14.1x" in rows["aegaeon_3p1d"]
     assert "| n/a | n/a |" in rows["aegaeon_1p3d"]
+
+
+@pytest.mark.timeout(30)
+def test_the_dynamic_report_checks_each_step_against_twice_the_prediction() -> None:
+    def cell(observed: float | None, predicted: float | None, left: int = 0) -> dict[str, Any]:
+        ratio = observed / predicted if observed is not None and predicted else None
+        return {"observed": observed, "predicted": predicted, "ratio": ratio, "unfinished": left}
+
+    steps = [
+        {"from": 0.0, "to": 480.0, "settled": 0.0, "workflows": {"rag": cell(1.4, 1.4)}},
+        {"from": 480.0, "to": 960.0, "settled": 753.0, "workflows": {"rag": cell(50.6, 2.3, 7)}},
+        {"from": 960.0, "to": 1440.0, "settled": 1355.0, "workflows": {"rag": cell(1.3, None)}},
+    ]
+    scepsy = {
+        "reconfigurations": 1,
+        "per_step": [0, 1, 0],
+        "replicas_started": 2,
+        "latency_mean": {"beam": 20.0, "rag": 9.0},
+        "steps": steps,
+    }
+    d = {
+        "gpus": 8,
+        "beam_rate": 1.7,
+        "steps": [(0.0, 6.0), (480.0, 16.7), (960.0, 6.0)],
+        "step_s": 480.0,
+        "controller": "the daemon's pass",
+        "systems": {"scepsy": scepsy},
+    }
+    rows = [line for line in dynamic_markdown(d) if line.startswith(("| 0-", "| 480-", "| 960-"))]
+    assert rows[0] == "| 0-480 | 0 | 1.4 / 1.4 | 1 |"
+    assert rows[1] == "| 480-960 | 753 | 50.6 / 2.3 | 22 **over 2x**, 7 unfinished |"
+    assert rows[2] == "| 960-1440 | 1355 | 1.3 / - | - |"
