@@ -20,7 +20,9 @@ compares the daemon's decisions with the autoscaler over time (run alongside the
 series of points (one system, workflow and cluster) stops after 2 consecutive rates it does
 not sustain. Profiles are cached under ``--cache``, keyed by the settings and the
 contents of the sources they depend on (``--fresh`` recomputes). ``--report-only`` re-renders
-the summary and report of an earlier run from its ``evaluation.json``.
+the summary and report of an earlier run from its ``evaluation.json`` (of an interrupted one,
+from the points it logged, labelled partial); ``--resume`` continues an interrupted run with
+its profiles and the points it logged.
 """
 
 from __future__ import annotations
@@ -163,12 +165,17 @@ def _cost(job: PointJob) -> float:
 STOP_AFTER = 2  # a series stops after this many consecutive rates it did not sustain
 
 
+def _point_key(system: str, kind: str, gpus: int, rate: float) -> tuple[str, str, int, float]:
+    return system, kind, gpus, round(rate, 9)
+
+
 def _run_points(
     pool: Executor,
     jobs: Sequence[PointJob],
     workers: int,
     run: Callable[[PointJob], dict[str, Any]] = run_point,
     log: Path | None = None,
+    prior: Sequence[dict[str, Any]] = (),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run every series (one system, workflow and cluster size) up its rates, and stop a
     series after ``STOP_AFTER`` consecutive rates it did not sustain: the rates above carry
@@ -176,8 +183,11 @@ def _run_points(
     (its backlog grows). Series run side by side, at most ``workers`` points at once, smaller
     clusters first (an interrupted run has whole cluster sizes), then the series with the
     most simulated work left. Returns the points run (in ``jobs`` order) and the rates
-    skipped; each point is also appended to ``log`` (JSON lines) as it finishes. Progress
-    goes to stderr about every tenth of the points."""
+    skipped; each point is also appended to ``log`` (JSON lines) as it finishes. ``prior``:
+    points an interrupted run finished (``--resume``): a job they hold is taken from them,
+    not run again, and counts towards its series' stop as if it had run. Progress goes to
+    stderr about every tenth of the points."""
+    known = {_point_key(p["system"], p["workflow"], p["gpus"], p["rate"]): p for p in prior}
     series: dict[tuple[str, str, int], list[int]] = {}
     for i in sorted(range(len(jobs)), key=lambda i: jobs[i].rate):
         series.setdefault((jobs[i].system, jobs[i].kind, jobs[i].gpus), []).append(i)
@@ -186,29 +196,39 @@ def _run_points(
     done: dict[int, dict[str, Any]] = {}
     skipped: list[dict[str, Any]] = []
     started, step = time.perf_counter(), max(1, len(jobs) // 10)
+
+    def settle(key: tuple[str, str, int], i: int, point: dict[str, Any]) -> None:
+        done[i] = point
+        failed[key] = 0 if point["sustained"] else failed[key] + 1
+        if failed[key] >= STOP_AFTER and key in series:
+            skipped.extend(
+                {"system": key[0], "workflow": key[1], "gpus": key[2], "rate": jobs[j].rate}
+                for j in series.pop(key)
+            )
+
     while series or running:
         busy = {key for key, _ in running.values()}
         idle = [key for key in series if key not in busy]
         for key in sorted(idle, key=lambda k: (k[2], -sum(_cost(jobs[i]) for i in series[k]))):
-            if len(running) >= workers:
-                break
-            i = series[key].pop(0)
-            if not series[key]:
-                del series[key]
-            running[pool.submit(run, jobs[i])] = (key, i)
+            while key in series and len(running) < workers:
+                i = series[key].pop(0)
+                if not series[key]:
+                    del series[key]
+                old = known.get(_point_key(key[0], key[1], key[2], jobs[i].rate))
+                if old is None:
+                    running[pool.submit(run, jobs[i])] = (key, i)
+                    break
+                settle(key, i, old)
+        if not running:
+            continue
         finished, _ = wait(running, return_when=FIRST_COMPLETED)
         for fut in finished:
             key, i = running.pop(fut)
-            done[i] = fut.result()
+            point = fut.result()
             if log is not None:
                 with log.open("ab") as f:
-                    f.write(orjson.dumps(done[i], option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-            failed[key] = 0 if done[i]["sustained"] else failed[key] + 1
-            if failed[key] >= STOP_AFTER and key in series:
-                skipped += [
-                    {"system": key[0], "workflow": key[1], "gpus": key[2], "rate": jobs[j].rate}
-                    for j in series.pop(key)
-                ]
+                    f.write(orjson.dumps(point, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+            settle(key, i, point)
             if len(done) % step == 0:
                 print(
                     f"[evaluate] points {len(done)} run, {len(skipped)} skipped, of "
@@ -300,6 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="trace and profile afresh even when the cache holds the same key",
     )
     ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run of the same command in DIR: its knowledge.json "
+        "and the points its points.jsonl holds are reused, the rest is run",
+    )
+    ap.add_argument(
         "--report-only",
         action="store_true",
         help="re-render DIR/evaluation.md (and the summary) from DIR/evaluation.json",
@@ -307,6 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.report_only:
         return _rerender(args.out)
+    partial = args.out / "points.jsonl"
+    prior: list[dict[str, Any]] = []
+    if args.resume:
+        args.reuse_profiles = True  # the same profiles, so the same rates and allocations
+        if partial.exists():
+            prior = _read_points(partial)
     started = time.perf_counter()
     lengths = QUICK if args.quick else FULL
     command = "python -m bench.evaluation.evaluate " + " ".join(
@@ -348,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
-        partial = args.out / "points.jsonl"
-        partial.unlink(missing_ok=True)
+        if not args.resume:
+            partial.unlink(missing_ok=True)
         (args.out / "run_meta.json").write_bytes(
             orjson.dumps(
                 {
@@ -368,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.no_dynamic
                 else side.submit(scenario, k, pool, DYNAMIC_GPUS, args.quick)
             )
-            points, skipped = _run_points(pool, jobs, args.workers, log=partial)
+            points, skipped = _run_points(pool, jobs, args.workers, log=partial, prior=prior)
             phase("points_and_dynamic" if pending else "points")
             dynamic = pending.result() if pending else None
         if pending:
@@ -438,15 +470,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _read_points(path: Path) -> list[dict[str, Any]]:
+    """The points a run logged as it went (JSON lines)."""
+    pts = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    for p in pts:  # JSON has no infinity: an unserved point's latencies came back null
+        p.update({f: math.inf for f in ("latency_mean", "latency_p90") if p[f] is None})
+    return pts
+
+
 def _rerender(out: Path) -> int:
     """The summary, shortfalls and Markdown again from the points of an earlier run (the
     report's rules changed, the runs did not); of an interrupted run, from the points it
     finished (``points.jsonl``), labelled partial."""
     if not (out / "evaluation.json").exists():
         run = orjson.loads((out / "run_meta.json").read_bytes())
-        pts = [orjson.loads(line) for line in (out / "points.jsonl").read_bytes().splitlines()]
-        for p in pts:  # JSON has no infinity: an unserved point's latencies came back null
-            p.update({f: math.inf for f in ("latency_mean", "latency_p90") if p[f] is None})
+        pts = _read_points(out / "points.jsonl")
         run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
         doc: dict[str, Any] = {
             "label": "simulated",

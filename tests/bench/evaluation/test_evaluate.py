@@ -257,6 +257,31 @@ def test_a_series_stops_after_consecutive_unsustained_rates() -> None:
     assert [(p["system"], p["rate"]) for p in points] == order
 
 
+@pytest.mark.timeout(30)
+def test_a_resumed_run_reuses_the_points_it_holds_and_runs_the_rest(tmp_path: Path) -> None:
+    """An interrupted run logged scepsy at 1 and 2 and even at 1 and 2 (failed): resumed, it
+    runs only what is missing, and even's stop counts its logged failure."""
+    jobs = [_job(s, r) for s in ("scepsy", "even") for r in (1.0, 2.0, 3.0, 4.0)]
+    ran: list[tuple[str, float]] = []
+
+    def counted(job: PointJob) -> dict[str, object]:
+        ran.append((job.system, job.rate))
+        return {**_fake_run(job), "workflow": job.kind, "gpus": job.gpus}
+
+    prior = [
+        {**_fake_run(j), "workflow": "beam", "gpus": 4, "logged": True}
+        for j in jobs
+        if j.rate <= 2.0
+    ]
+    log = tmp_path / "points.jsonl"
+    with ThreadPoolExecutor(2) as pool:
+        points, skipped = evaluate._run_points(pool, jobs, 2, counted, log=log, prior=prior)
+    assert sorted(ran) == [("even", 3.0), ("scepsy", 3.0), ("scepsy", 4.0)]
+    assert [(s["system"], s["rate"]) for s in skipped] == [("even", 4.0)]
+    assert sum(1 for p in points if p.get("logged")) == 4 and len(points) == 7
+    assert len(log.read_bytes().splitlines()) == 3  # only what ran is logged again
+
+
 def test_combined_shortfall_names_the_beam_trade_off() -> None:
     alloc = [{"model": "m", "replicas": 1, "tp": 1, "share": 1.0}]
 
