@@ -339,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.reuse_profiles = True  # the same profiles, so the same rates and allocations
         if partial.exists():
             prior = _read_points(partial)
+        print(f"[evaluate] resuming: {len(prior)} points logged earlier", file=sys.stderr)
     started = time.perf_counter()
     lengths = QUICK if args.quick else FULL
     command = "python -m bench.evaluation.evaluate " + " ".join(
