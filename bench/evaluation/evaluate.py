@@ -49,7 +49,8 @@ from typing import Any
 import orjson
 
 from bench.evaluation.daemon import scenario
-from bench.evaluation.report import markdown, plot_curves, plot_dynamic, summarise
+from bench.evaluation.dynamic_report import plot_dynamic
+from bench.evaluation.report import markdown, plot_curves, summarise
 from bench.evaluation.runs import HPA_SYSTEMS, PointJob, run_point
 from bench.evaluation.scepsy import (
     Knowledge,

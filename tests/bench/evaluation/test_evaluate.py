@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from bench.evaluation import evaluate
-from bench.evaluation.report import cause, dynamic_markdown, markdown, summarise
+from bench.evaluation.dynamic_report import dynamic_markdown
+from bench.evaluation.report import cause, markdown, summarise
 from bench.evaluation.runs import PointJob
 from bench.evaluation.scepsy import PROFILE_KEYS
 from bench.evaluation.setup import AEGAEON_PREFILL_PER_NODE, QUICK, SYSTEMS, WORKFLOWS
