@@ -237,7 +237,8 @@ def step(inp: StepInput, *, timer: Callable[[], float] = time.perf_counter) -> S
         return out
     note = f"planned at the window's rates: at the later half's, {out.decision.reasons[-1]}"
     d = fallback.decision
-    return replace(fallback, decision=replace(d, reasons=(*d.reasons, note)))
+    spent = (out.search_s or 0.0) + (fallback.search_s or 0.0)  # the pass ran both searches
+    return replace(fallback, decision=replace(d, reasons=(*d.reasons, note)), search_s=spent)
 
 
 def _replan(
