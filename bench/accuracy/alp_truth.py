@@ -7,7 +7,7 @@ compares them with the pipeline's predictions.
 
 Invariants: every run of a job uses the job's seed, so a longer run extends the same
 arrivals; a run's measurement window starts after a warm-up and holds a number of request
-latencies that the run checks on itself (``stretch``, ``next_latency_run``): near capacity a
+latencies that the run checks on itself (``bench.run_length.stretch``, ``next_latency_run``): near capacity a
 batching engine's in-flight count fills for many request latencies, and a window shorter than
 that reads the fill as a backlog (throughput) or as a lighter load (latency), and a
 standard error from batches shorter than a queue's excursions under-reads
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.accuracy.cases import Case
+from bench.run_length import CAP_STRETCHES, Window, stretch
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate, simulate_requests
 from sim.profiling import bracket, decide, keeps_up, marginal
@@ -48,16 +49,6 @@ CAP_WARMUP = 0.4  # of the measured window, run before it
 # thrashes its prefix caches and completes less (1x1 at 1.7 req/s: 1.15-1.38 per second,
 # while it kept up at 1.5 over 1200 requests), hence the larger of the two.
 CAP_BACKLOG = 1.25
-# A capacity probe judged overloaded from a window too short for its own request latency
-# (warm-up under CAP_WARMUP_LATENCIES latencies, or window under CAP_WINDOW_LATENCIES) runs
-# again with both that long, up to CAP_STRETCHES times, unless its shortfall grew (a backlog
-# that grows with time is overload, not fill). The fill is slow where many requests are in
-# flight: fan-out with 4 x 8B replicas at 21.6 req/s read 4.6% short over 2,000 requests
-# (latency 8.7 s in the window's first seventh, 14 s later), kept up at 24.4 req/s over
-# 8,000 (latency flat at 21-24 s), and with these stretches kept up at 25.5 (2.2% short,
-# latency 30-33 s) and fell behind at 27 (6.2% -> 8.1% short, latency 40 -> 54 s); the
-# fixed 1,000-request windows had read its capacity as 20.5 req/s. Simulated.
-CAP_WARMUP_LATENCIES, CAP_WINDOW_LATENCIES, CAP_STRETCHES = 5.0, 20.0, 2
 # Latency runs grow until the standard error of the mean is below LATENCY_SE (relative), at
 # most LATENCY_GROWTH_CAP times the case's eval_requests; and until their warm-up holds
 # LATENCY_WARMUP_LATENCIES mean latencies and their window LATENCY_WINDOW_LATENCIES, at most
@@ -102,41 +93,10 @@ class EvalJob:
     replications: int = LATENCY_REPLICATIONS  # independent latency runs (1: the pilot only)
 
 
-@dataclass(frozen=True)
-class Window:
-    """One capacity run: arrivals and completions per second over its measurement window,
-    the mean latency of the requests completed in it, and how long warm-up and window were."""
-
-    offered: float
-    achieved: float
-    latency_s: float
-    warmup_s: float
-    window_s: float
-
-    @property
-    def shortfall(self) -> float:
-        return 1.0 - self.achieved / max(self.offered, 1e-12)
-
-
 def sim_allocation(case: Case, alloc: dict[str, tuple[int, int, float]]) -> Allocation:
     return Allocation(
         tuple(ReplicaSpec(m, case.gpu, tp, share, d) for m, (d, tp, share) in alloc.items())
     )
-
-
-def stretch(w: Window, previous: Window | None) -> tuple[float, float] | None:
-    """(warm-up, window) in seconds to run an overloaded verdict ``w`` again with, or None
-    when it stands: its run was long enough for its own latency, or it fell further behind
-    than the shorter run before it (``previous``), as a growing backlog does."""
-    if keeps_up(w.offered, w.achieved):
-        return None
-    if previous is not None and w.shortfall >= previous.shortfall:
-        return None
-    warmup = CAP_WARMUP_LATENCIES * w.latency_s
-    window = CAP_WINDOW_LATENCIES * w.latency_s
-    if w.warmup_s >= 0.95 * warmup and w.window_s >= 0.95 * window:
-        return None
-    return max(w.warmup_s, warmup), max(w.window_s, window)
 
 
 def capacity_window(job: EvalJob, rate: float, warmup_s: float, window_s: float) -> Window:

@@ -284,7 +284,11 @@ def markdown(
         "peak / system peak (by offered rate: equal offered rates tie, whatever the "
         "window measured); latency = system / Scepsy mean latency at equal rates both "
         "sustain, median [min-max]. Paper: Fig. 6 (HPA) throughput gain and latency "
-        "range.",
+        "range. Sustained: >= 95% of the window's requests completed and completions kept "
+        "within 5% of arrivals, for every workflow; a point that completed its requests "
+        "but fell short over a window too short for its own latency is run once more, "
+        "warm-up and window counted in the latency it measured (the same rule for every "
+        "system; `stretched_from` in the points).",
         "",
         f"Autoscaler: the Kubernetes HPA per model on whole GPUs, metric {HPA_METRIC}, "
         "target 70%; `hpa` starts cold (one pod per model) at every rate, `hpa_warm` at "

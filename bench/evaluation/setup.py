@@ -81,7 +81,7 @@ BELOW_SWEEP_FRACTIONS = (0.05, 0.1, 0.15)
 # autoscaler cannot start one whole-GPU pod for each of the five models.
 DYNAMIC_GPUS = 8
 DYNAMIC_DRAIN_S = 120.0  # the dynamic scenario's runs end this long after the last arrival
-SUSTAINED = 0.95  # a point is sustained when >= 95% of its requests complete at >= 95% of rate
+SUSTAINED = 0.95  # a point is sustained when >= 95% of its requests complete (runs.py: and keep up)
 
 # The paper's reported figures (§7.2 Fig. 6 vs the Kubernetes HPA; §7.4 Fig. 10 ablations are
 # reported qualitatively only). Throughput: Scepsy / HPA; latency: HPA / Scepsy, a range.

@@ -11,9 +11,6 @@ import pytest
 
 from bench.accuracy.alp_accuracy import _cases
 from bench.accuracy.alp_truth import (
-    CAP_STRETCHES,
-    CAP_WARMUP_LATENCIES,
-    CAP_WINDOW_LATENCIES,
     LATENCY_BATCHES,
     LATENCY_MAX_REPLICATIONS,
     LATENCY_MAX_REQUESTS,
@@ -22,7 +19,6 @@ from bench.accuracy.alp_truth import (
     LATENCY_WINDOW_LATENCIES,
     EvalJob,
     LatencyRun,
-    Window,
     across_runs,
     keeps_up_at,
     latency_batches,
@@ -30,6 +26,12 @@ from bench.accuracy.alp_truth import (
     next_latency_run,
     replicate,
     replication_seed,
+)
+from bench.run_length import (
+    CAP_STRETCHES,
+    CAP_WARMUP_LATENCIES,
+    CAP_WINDOW_LATENCIES,
+    Window,
     stretch,
 )
 
