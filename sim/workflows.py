@@ -55,7 +55,9 @@ class Prompt(Sequence[int]):
         self.length = length
         self.parent = parent
         self.total: int = length + (parent.total if parent is not None else 0)
-        self._hashes: tuple[int, list[int]] | None = None
+        # block hashes by block size: the engines (16 tokens) and the router (32) both ask,
+        # and one slot would make them recompute each other's, up the whole chain
+        self._hashes: dict[int, list[int]] | None = None
 
     def extend(self, key: int, length: int) -> Prompt:
         return Prompt(key, length, self)
@@ -97,8 +99,13 @@ class Prompt(Sequence[int]):
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the full blocks; a block's content is named by its
         (key, offset, length) pieces, so equal segment chains give equal hashes."""
-        if self._hashes is not None and self._hashes[0] == block_size:
-            return self._hashes[1]
+        cache = self._hashes
+        if cache is None:
+            cache = self._hashes = {}
+        else:
+            known = cache.get(block_size)
+            if known is not None:
+                return known
         parent = self.parent
         hashes = parent.block_hashes(block_size)[: parent.total // block_size] if parent else []
         full = self.total // block_size
@@ -129,7 +136,7 @@ class Prompt(Sequence[int]):
                     t += 1
                 prev = hash((prev, tuple(pieces)))
                 hashes.append(prev)
-        self._hashes = (block_size, hashes)
+        cache[block_size] = hashes
         return hashes
 
 
