@@ -170,6 +170,7 @@ def build_replicas(
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             scheduling=scheduling,
+            decode_lazily=True,  # the simulator reads no per-token output
         )
         replicas.append(Replica(f"{spec.model}/{n}", spec, gpus, engine))
     for r in replicas:

@@ -22,20 +22,33 @@ Invariants:
   workflow request's start: Ayo-style workflow-aware scheduling);
 - a ``prefilled`` request arrives with its prompt's KV computed elsewhere (disaggregated
   prefill, ``sim.multiplex``) and its first token sampled: its admission computes one token
-  and counts no prefix-cache hit; a preemption drops that KV (recompute, as any request).
+  and counts no prefix-cache hit; a preemption drops that KV (recompute, as any request);
+- lazy decoding (``decode_lazily``: the simulator's engines, where a step batches ~50
+  decoding requests and visiting each per step dominated): a running request in pure decode
+  that needs no new block and does not finish in the next step is not visited; its counters
+  lag by the steps since and catch up at the step it needs a block or finishes, or before any
+  step whose tokens or blocks might not fit (that step then runs with none lazy, so preemption
+  picks the same victims). Steps, durations, blocks and outcomes are exactly those of the
+  eager engine, except that ``emitted`` is not reported.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from collections import deque
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
+from sim.engine_state import (
+    BlockPool,
+    EngineRequest,
+    HashedPrompt,
+    Seq,
+    StepOutcome,
+    chain_block_hashes,
+)
 from sim.perf import PerfModel
 
 __all__ = [
@@ -45,118 +58,6 @@ __all__ = [
     "StepOutcome",
     "chain_block_hashes",
 ]
-
-
-@runtime_checkable
-class HashedPrompt(Protocol):
-    """A prompt that knows its chained block hashes (the simulator's compact prompts)."""
-
-    def block_hashes(self, block_size: int) -> Sequence[int]: ...
-
-
-def chain_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the full blocks of ``tokens``, each chained over the previous block's hash."""
-    out: list[int] = []
-    prev = 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = hash((prev, tuple(tokens[start : start + block_size])))
-        out.append(prev)
-    return out
-
-
-@dataclass
-class EngineRequest:
-    rid: str
-    prompt: Sequence[int]  # token ids (drivers derive them from text; shared prefixes share ids)
-    output_tokens: int  # tokens this request will emit; 0 = prefill only (embed/rerank/score)
-    arrival: float = 0.0  # driver's clock, for metrics only
-    priority: float = 0.0  # lower is served first under scheduling="priority"; else ignored
-    model: str = ""  # the model the call names (multi-model engines dispatch on it)
-    prefilled: bool = False  # prompt KV delivered by a prefill instance, first token sampled
-
-
-@dataclass
-class StepOutcome:
-    duration: float  # seconds this step takes on the modelled GPU
-    first_token: list[str] = field(default_factory=list)  # prefill completed (result ready)
-    emitted: list[tuple[str, int]] = field(default_factory=list)  # (rid, tokens this step)
-    finished: list[str] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    # for the rids in first_token: prompt tokens found in the prefix cache (usage's
-    # prompt_tokens_details.cached_tokens)
-    cached_tokens: dict[str, int] = field(default_factory=dict)
-
-
-class _Seq:
-    """A request's scheduling state. ``computed``: tokens whose KV is in the cache."""
-
-    __slots__ = (
-        "_hashes",
-        "cached_tokens",
-        "computed",
-        "full_blocks",
-        "generated",
-        "held",
-        "landed",
-        "nblocks",
-        "private",
-        "prompt_len",
-        "rank",
-        "registered",
-        "req",
-    )
-
-    def __init__(self, req: EngineRequest, block_size: int, order: int = 0) -> None:
-        self.req = req
-        self.prompt_len = len(req.prompt)
-        self.full_blocks = self.prompt_len // block_size  # prompt blocks the cache can hold
-        self.generated = 1 if req.prefilled else 0
-        self.landed = req.prefilled  # KV delivered, not yet admitted
-        self.rank = (req.priority, order)  # the waiting queue's order under "priority"
-        self.computed = 0
-        self.held: list[int] = []  # hashes of cached blocks this request references, in order
-        self.private = 0  # blocks held outside the prefix cache
-        self.nblocks = 0  # len(held) + private
-        self.registered = 0  # prompt blocks already offered to the cache
-        self.cached_tokens = 0  # prefix-cache hit at the last admission
-        self._hashes: Sequence[int] | None = None
-
-    def hashes(self, block_size: int) -> Sequence[int]:
-        if self._hashes is None:
-            prompt = self.req.prompt
-            own = getattr(prompt, "block_hashes", None)  # HashedPrompt; isinstance() is slow
-            self._hashes = (
-                own(block_size) if own is not None else chain_block_hashes(prompt, block_size)
-            )
-        return self._hashes
-
-
-class _BlockPool:
-    """Counts free blocks and keeps the hash -> reference-count table with its LRU."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.free = num_blocks  # blocks holding nothing reusable
-        self.refs: dict[int, int] = {}  # cached block hash -> references
-        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, oldest first
-
-    def available(self) -> int:
-        return self.free + len(self.lru)
-
-    def take(self, n: int) -> None:
-        """Claim ``n`` fresh blocks, evicting least recently used cached blocks if needed."""
-        from_free = min(n, self.free)
-        self.free -= from_free
-        for _ in range(n - from_free):
-            victim, _ = self.lru.popitem(last=False)
-            del self.refs[victim]
-
-    def register(self, h: int) -> bool:
-        """Turn one private block into a cached one under ``h``; False if ``h`` is taken."""
-        if h in self.refs:
-            return False
-        self.refs[h] = 1
-        return True
 
 
 class EngineCore:
@@ -171,7 +72,10 @@ class EngineCore:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         scheduling: Literal["fcfs", "priority"] = "fcfs",
+        decode_lazily: bool = False,
     ) -> None:
+        """``decode_lazily``: the simulator's mode (see the module docstring); ``step`` then
+        reports no ``emitted`` tokens."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be >= 1")
         if scheduling not in ("fcfs", "priority"):
@@ -189,10 +93,21 @@ class EngineCore:
         self.enable_prefix_caching = enable_prefix_caching
         self.by_priority = scheduling == "priority"
         self._submitted = 0
-        self._pool = _BlockPool(num_blocks)
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
-        self._seqs: dict[str, _Seq] = {}
+        self._pool = BlockPool(num_blocks)
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []
+        self._seqs: dict[str, Seq] = {}
+        self._admitted = 0
+        # Lazy decoding: ``_active`` is ``_running`` itself while no request is lazy, else the
+        # running requests that are not, in running order; ``_clock`` counts steps;
+        # ``_due``: step -> lazy requests that need a block or finish then (stale entries
+        # are skipped); ``_lazy_context``: the lazy requests' computed tokens, summed.
+        self.decode_lazily = decode_lazily
+        self._active = self._running
+        self._clock = 0
+        self._lazy_count = 0
+        self._lazy_context = 0
+        self._due: dict[int, list[Seq]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.prompt_tokens_total = 0
@@ -240,7 +155,7 @@ class EngineCore:
                 f"{total} tokens exceed the KV cache "
                 f"({self._pool.num_blocks * self.block_size} tokens)"
             )
-        seq = _Seq(req, self.block_size, self._submitted)
+        seq = Seq(req, self.block_size, self._submitted)
         self._submitted += 1
         self._seqs[req.rid] = seq
         if self.by_priority:
@@ -248,7 +163,7 @@ class EngineCore:
         else:
             self._waiting.append(seq)
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         """Insert ``seq`` into the waiting queue at its rank (priority scheduling)."""
         waiting = self._waiting
         waiting.insert(bisect.bisect_right(waiting, seq.rank, key=lambda s: s.rank), seq)
@@ -258,8 +173,15 @@ class EngineCore:
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return
+        if seq.lazy:
+            self._wake(seq)
         if seq in self._running:
             self._running.remove(seq)
+            if self._active is not self._running:
+                if seq in self._active:
+                    self._active.remove(seq)
+                if not self._lazy_count:
+                    self._active = self._running
         else:
             self._waiting.remove(seq)
         self._release(seq)
@@ -268,7 +190,7 @@ class EngineCore:
         return bool(self._running or self._waiting)
 
     # --- blocks --------------------------------------------------------------------------
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         pool = self._pool
         refs, lru = pool.refs, pool.lru
         for h in reversed(seq.held):  # tail blocks enter the LRU first, so go first
@@ -283,7 +205,7 @@ class EngineCore:
         seq.computed = 0
         seq.registered = 0
 
-    def _preempt(self, seq: _Seq, out: StepOutcome) -> None:
+    def _preempt(self, seq: Seq, out: StepOutcome) -> None:
         self._release(seq)
         if self.by_priority:
             self._enqueue(seq)
@@ -292,7 +214,7 @@ class EngineCore:
         self.preemptions_total += 1
         out.preempted.append(seq.req.rid)
 
-    def _match_prefix(self, seq: _Seq) -> tuple[int, int]:
+    def _match_prefix(self, seq: Seq) -> tuple[int, int]:
         """Prompt blocks found cached, and how many of them sit unreferenced in the LRU."""
         if not self.enable_prefix_caching:
             return 0, 0
@@ -302,7 +224,7 @@ class EngineCore:
         hits = min(hits, (seq.prompt_len + seq.generated - 1) // self.block_size)
         return hits, counts[:hits].count(0)
 
-    def _register(self, seq: _Seq) -> None:
+    def _register(self, seq: Seq) -> None:
         full = min(seq.computed // self.block_size, seq.full_blocks)
         if full <= seq.registered:
             return
@@ -315,7 +237,7 @@ class EngineCore:
         seq.registered = full
 
     # --- scheduling ----------------------------------------------------------------------
-    def _account(self, seq: _Seq, n: int, out: StepOutcome, done: list[_Seq]) -> None:
+    def _account(self, seq: Seq, n: int, out: StepOutcome, done: list[Seq]) -> None:
         """``seq`` computes ``n`` more tokens this step: register its full prompt blocks (at
         schedule time, as vLLM does) and sample a token when its pending tokens are done."""
         computed = seq.computed = seq.computed + n
@@ -342,26 +264,29 @@ class EngineCore:
         ``duration`` (simulator) or sleeps it (emulator). Running requests go first, in
         admission order; waiting ones are admitted only if nothing had to be preempted."""
         out = StepOutcome(0.0)
-        budget = self.max_num_batched_tokens
+        lazy = self._prepare_lazy() if self._lazy_count else 0
+        budget = self.max_num_batched_tokens - lazy
         bs = self.block_size
         pool = self._pool
         lru = pool.lru
-        prefill = decode = context = 0
-        done: list[_Seq] = []  # finished: their blocks are freed after the step, as in vLLM
+        prefill = 0
+        decode, context = lazy, self._lazy_context  # the lazy requests decode one token each
+        done: list[Seq] = []  # finished: their blocks are freed after the step, as in vLLM
         emitted = out.emitted
         running = self._running
+        batch = self._active  # running itself unless some requests are lazy (none preempted)
         i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        while i < len(batch) and budget > 0:
+            seq = batch[i]
             computed = seq.computed
             pending = seq.prompt_len + seq.generated - computed
             n = pending if pending < budget else budget
             need = (computed + n + bs - 1) // bs - seq.nblocks
             if need > 0:
-                while need > pool.free + len(lru) and running[-1] is not seq:
-                    self._preempt(running.pop(), out)
+                while need > pool.free + len(lru) and batch[-1] is not seq:
+                    self._preempt(batch.pop(), out)
                 if need > pool.free + len(lru):  # seq is the lowest priority: it yields
-                    running.pop()
+                    batch.pop()
                     self._preempt(seq, out)
                     break
                 pool.take(need)
@@ -414,20 +339,101 @@ class EngineCore:
             pool.take(need)
             seq.private = need
             seq.nblocks = hits + need
+            seq.slot = self._admitted
+            self._admitted += 1
             running.append(seq)
+            if batch is not running:
+                batch.append(seq)
             prefill += n
             budget -= n
             self._account(seq, n, out, done)
-        self.generation_tokens_total += len(out.emitted)
+        self.generation_tokens_total += len(out.emitted) + lazy
+        if lazy:
+            self._clock += 1
+            self._lazy_context += lazy
         if done:
             for seq in done:
                 self._release(seq)
                 del self._seqs[seq.req.rid]
                 seq.computed = -1  # marks it for removal from the running list
             self._running = [s for s in running if s.computed >= 0]
+            self._active = (
+                self._running if batch is running else [s for s in batch if s.computed >= 0]
+            )
         if prefill or decode:
             out.duration = self.perf.step_time(prefill, decode, context)
+        if self.decode_lazily:
+            self._lazify()
+            out.emitted = []
         return out
+
+    # --- lazy decoding (the simulator's engines) -----------------------------------------
+    def _lazify(self) -> None:
+        """After a step: let every active request in pure decode that needs no block and does
+        not finish in the next step decode lazily until it does (its ``due`` step)."""
+        clock, bs = self._clock, self.block_size
+        batch = self._active
+        keep: list[Seq] = []
+        for seq in batch:
+            generated = seq.generated
+            computed = seq.computed
+            if generated and computed == seq.prompt_len + generated - 1:
+                fin = clock + seq.req.output_tokens - generated - 1  # its last decode step
+                due = min(clock + seq.nblocks * bs - computed, fin)  # or its next new block
+                if due > clock:
+                    seq.lazy = True
+                    seq.since, seq.due, seq.fin = clock, due, fin
+                    self._lazy_count += 1
+                    self._lazy_context += computed
+                    self._due.setdefault(due, []).append(seq)
+                    continue
+            keep.append(seq)
+        if len(keep) < len(batch):
+            self._active = keep
+
+    def _wake(self, seq: Seq) -> None:
+        """Bring a lazy request's counters up to date; it is stepped one by one again."""
+        lag = self._clock - seq.since
+        seq.computed += lag
+        seq.generated += lag
+        seq.lazy = False
+        self._lazy_count -= 1
+        self._lazy_context -= seq.computed
+
+    def _prepare_lazy(self) -> int:
+        """Before a step: wake the requests due now; wake all when the step's tokens might
+        exceed the budget or its blocks the free ones (then the step runs exactly as if none
+        had been lazy: preemption order matters). Returns how many stay lazy."""
+        clock = self._clock
+        woken = [s for s in self._due.pop(clock, ()) if s.lazy and s.due == clock]
+        for seq in woken:
+            self._wake(seq)
+        if not self._lazy_count:
+            self._active = self._running
+            return 0
+        active = self._active
+        if woken:
+            active.extend(woken)
+            active.sort(key=_slot)
+        bs = self.block_size
+        budget = self.max_num_batched_tokens - self._lazy_count
+        need = 0
+        for seq in active:
+            computed = seq.computed
+            pending = seq.prompt_len + seq.generated - computed
+            budget -= pending
+            need += max(0, (computed + pending + bs - 1) // bs - seq.nblocks)
+        if budget < 0 or need > self._pool.available():
+            self._wake_all()
+            return 0
+        return self._lazy_count
+
+    def _wake_all(self) -> None:
+        for seq in self._running:
+            if seq.lazy:
+                self._wake(seq)
+        self._due.clear()
+        self._active = self._running
 
     # --- fast-forward for the simulator ---------------------------------------------------
     def decode_run_length(self) -> int:
@@ -439,7 +445,9 @@ class EngineCore:
         if self._waiting and len(running) < self.max_num_seqs:
             return 0  # the next step may admit
         k = self.max_num_batched_tokens  # any large bound
-        for seq in running:
+        if self._lazy_count:  # the lazy decode until their ``fin`` step, then finish
+            k = min(k, min([s.fin for s in running if s.lazy]) - self._clock)
+        for seq in self._active:
             if seq.generated == 0 or seq.computed != seq.prompt_len + seq.generated - 1:
                 return 0
             left = seq.req.output_tokens - seq.generated - 1  # the last decode step finishes
@@ -450,27 +458,57 @@ class EngineCore:
         return k
 
     def _decode_blocks(self, steps: int) -> int:
-        bs = self.block_size
-        return sum((s.computed + steps + bs - 1) // bs - s.nblocks for s in self._running)
+        bs, clock = self.block_size, self._clock
+        return sum(
+            (s.computed + (clock - s.since if s.lazy else 0) + steps + bs - 1) // bs - s.nblocks
+            for s in self._running
+        )
 
     def decode_run_times(self, steps: int) -> NDArray[np.float64]:
         """Durations of the next ``steps`` decode steps (``steps <= decode_run_length()``)."""
         d = len(self._running)
-        context0 = sum(s.computed for s in self._running)
+        context0 = self._lazy_context + sum(s.computed for s in self._active)
         contexts = context0 + d * np.arange(steps, dtype=np.float64)
         return self.perf.step_times(0, d, contexts)
 
     def advance_decode(self, steps: int) -> None:
         """Account ``steps`` decode steps at once (``steps <= decode_run_length()``); their
         outcomes (one token per running request per step) are not reported."""
-        bs = self.block_size
-        pool = self._pool
-        for seq in self._running:
-            computed = seq.computed = seq.computed + steps
+        active = self._active
+        for seq in active:
+            seq.computed += steps
             seq.generated += steps
-            need = (computed + bs - 1) // bs - seq.nblocks
-            if need > 0:
-                pool.take(need)
-                seq.private += need
-                seq.nblocks += need
+            self._cover(seq)
+        if self._lazy_count:
+            # The lazy ones due for a block inside the run wake at its end and take their
+            # blocks then: the run's blocks fit, and taking them in another order ends the same.
+            clock, due = self._clock, self._due
+            woken = [
+                s
+                for c in range(clock, clock + steps)
+                for s in due.pop(c, ())
+                if s.lazy and s.due == c
+            ]
+            self._clock += steps
+            self._lazy_context += steps * self._lazy_count
+            for seq in woken:
+                self._wake(seq)
+                self._cover(seq)
+            if not self._lazy_count:
+                self._active = self._running
+            elif woken:
+                active.extend(woken)
+                active.sort(key=_slot)
         self.generation_tokens_total += steps * len(self._running)
+
+    def _cover(self, seq: Seq) -> None:
+        """Take the blocks ``seq``'s computed tokens need."""
+        need = (seq.computed + self.block_size - 1) // self.block_size - seq.nblocks
+        if need > 0:
+            self._pool.take(need)
+            seq.private += need
+            seq.nblocks += need
+
+
+def _slot(seq: Seq) -> int:
+    return seq.slot
