@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         predictions: dict[tuple[str, int], Any] = {}
         for case in cases:
             for i, alloc in enumerate(case.allocations):
-                allocation = {m: ModelAlloc(d, tp, share) for m, (d, tp, share) in alloc.items()}
+                allocation = {m: ModelAlloc(*row) for m, row in alloc.items()}
                 cap = predict(pipes[case.workflow], books[case.workflow], allocation, 0.0)
                 predictions[case.workflow, i] = (allocation, cap.throughput)
                 settle_s = SETTLE_LATENCIES * settle[case.workflow]

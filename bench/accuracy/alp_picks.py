@@ -68,7 +68,7 @@ from bench.accuracy.alp_truth import (
     evaluate,
     sim_allocation,
 )
-from bench.accuracy.cases import Case
+from bench.accuracy.cases import Alloc, Case
 from optimizer.model import colocation
 from optimizer.model.alp import ModelAlloc, Pipeline, Prediction, predict
 from optimizer.model.colocation import Placed
@@ -126,15 +126,15 @@ def band_coverage(docs: Sequence[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def _doc(alloc: pick_sets.Alloc) -> dict[str, dict[str, float]]:
-    return {m: {"replicas": d, "tp": tp, "share": s} for m, (d, tp, s) in alloc.items()}
+def _doc(alloc: Alloc) -> dict[str, dict[str, float]]:
+    return {m: ModelAlloc(*row).doc() for m, row in alloc.items()}
 
 
-def _allocation(alloc: pick_sets.Alloc) -> dict[str, ModelAlloc]:
-    return {m: ModelAlloc(d, tp, s) for m, (d, tp, s) in alloc.items()}
+def _allocation(alloc: Alloc) -> dict[str, ModelAlloc]:
+    return {m: ModelAlloc(*row) for m, row in alloc.items()}
 
 
-def placed(case: Case, alloc: pick_sets.Alloc) -> tuple[Placed, ...]:
+def placed(case: Case, alloc: Alloc) -> tuple[Placed, ...]:
     """The replicas of ``alloc`` where the simulator places them (``sim.cluster.place``)."""
     return tuple(
         Placed(spec.model, "sim", gpus, spec.share, spec.tp)
@@ -151,7 +151,7 @@ class Learned:
     book: ProfileBook
     settle_s: float  # a few light-load request latencies: the pipeline's fill
 
-    def predict(self, alloc: pick_sets.Alloc, rate: float | None) -> Prediction:
+    def predict(self, alloc: Alloc, rate: float | None) -> Prediction:
         """The ALP's prediction for ``alloc`` where the simulator places it, each model read
         between its alone and packed curves by its neighbours' load
         (:mod:`optimizer.model.colocation`) at ``rate`` (``None``: at the workflow's own
@@ -258,7 +258,7 @@ class Scope:
 
 def judged_allocations(k: Learned, scope: Scope) -> list[Judged]:
     """One workflow's allocations: the search's distinct picks, then the held-out ones."""
-    entries: list[tuple[str, pick_sets.Alloc, dict[str, Any]]] = [
+    entries: list[tuple[str, Alloc, dict[str, Any]]] = [
         ("search_picks", p.allocation, {"picked_at": list(p.picked_at)})
         for p in pick_sets.search_picks(k.pipe, k.book, scope.sizes, scope.rate_fractions)
     ]

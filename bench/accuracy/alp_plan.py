@@ -29,7 +29,8 @@ from typing import Any
 import orjson
 
 from bench.accuracy.alp_truth import LATENCY_SE, sim_allocation
-from bench.accuracy.cases import Case, calls_to_rows
+from bench.accuracy.cases import Alloc, Case, calls_to_rows
+from optimizer.model.alp import ModelAlloc
 from optimizer.stats.figures import WorkflowStats
 from optimizer.stats.reader import summarise_store
 from shared.profile_points import ProfilePoint, packed_copies
@@ -67,8 +68,6 @@ FRACTIONS = (0.2, 0.4, 0.6, 0.8, 0.9)  # of predicted capacity, the full run's l
 # a latency job's warm-up is at least this many light-load request latencies (the fill)
 SETTLE_LATENCIES = 3.0
 
-# model -> (replicas, tp, share)
-Alloc = dict[str, tuple[int, int, float]]
 
 BEAM = ("llama-3.2-1b", "llama-3.1-8b-prm")
 RAG = ("e5-base-v2", "bge-reranker-base", "llama-3-8b")
@@ -172,7 +171,7 @@ def quick_cases(cases: Sequence[Case]) -> list[Case]:
 def _trace(case: Case) -> tuple[WorkflowStats, dict[str, Any]]:
     """Stats of a light-load run, and per model the calls/s one busy-second serves (a first
     guess of capacity that ignores batching, so it errs low)."""
-    generous = {m: (2, 1, 1.0) for m in case.allocations[0]}
+    generous: Alloc = {m: (2, 1, 1.0) for m in case.allocations[0]}
     result = simulate(
         sim_allocation(case, generous),
         [WorkloadSpec(case.workflow, case.trace_rate, case.params)],  # type: ignore[arg-type]
@@ -206,7 +205,12 @@ def _profile_jobs(
     case: Case, stats: WorkflowStats, trace: dict[str, Any], quick: bool
 ) -> list[ProfileJob]:
     keys = sorted(
-        {(m, tp, share) for alloc in case.allocations for m, (_, tp, share) in alloc.items()}
+        {
+            (m, tp, share)
+            for alloc in case.allocations
+            for m, row in alloc.items()
+            for _, tp, share in ModelAlloc(*row).groups
+        }
     )
     target = case.profile_calls // 2 if quick else case.profile_calls
     return [

@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     points: list[dict[str, Any]] = []
     jobs: list[EvalJob] = []
     for i in indices:
-        alloc = {m: ModelAlloc(d, tp, s) for m, (d, tp, s) in case.allocations[i].items()}
+        alloc = {m: ModelAlloc(*row) for m, row in case.allocations[i].items()}
         capacity = predict(pipe, book, alloc, 0.0).throughput
         rate = args.load * capacity
         points.append(

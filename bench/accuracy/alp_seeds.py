@@ -38,16 +38,28 @@ from bench.accuracy.alp_truth import (
     latency_warmup,
     replication_seed,
 )
+from bench.accuracy.cases import Alloc
+from optimizer.model.alp import ModelAlloc
 
 
-def _alloc_index(
-    case_allocations: Sequence[dict[str, tuple[int, int, float]]], doc: dict[str, dict[str, float]]
-) -> int:
+def _alloc_index(case_allocations: Sequence[Alloc], doc: dict[str, dict[str, float]]) -> int:
+    def key(a: ModelAlloc) -> tuple[int, int, float, int, float]:
+        return a.replicas, a.tp, round(a.share, 6), a.rest, round(a.rest_share, 6)
+
     wanted = {
-        m: (int(a["replicas"]), int(a["tp"]), round(float(a["share"]), 6)) for m, a in doc.items()
+        m: key(
+            ModelAlloc(
+                int(a["replicas"]),
+                int(a["tp"]),
+                float(a["share"]),
+                int(a.get("rest", 0)),
+                float(a.get("rest_share", 0.0)),
+            )
+        )
+        for m, a in doc.items()
     }
     for i, alloc in enumerate(case_allocations):
-        if {m: (d, tp, round(s, 6)) for m, (d, tp, s) in alloc.items()} == wanted:
+        if {m: key(ModelAlloc(*row)) for m, row in alloc.items()} == wanted:
             return i
     raise ValueError(f"allocation {wanted} is not one of the bench's")
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.accuracy.cases import Case
+from bench.accuracy.cases import Alloc, Case
 from bench.run_length import CAP_STRETCHES, Window, stretch
+from optimizer.model.alp import ModelAlloc
 from sim.cluster import Allocation, ReplicaSpec
 from sim.des import WorkloadSpec, simulate, simulate_requests
 from sim.profiling import bracket, decide, keeps_up, marginal
@@ -93,9 +94,13 @@ class EvalJob:
     replications: int = LATENCY_REPLICATIONS  # independent latency runs (1: the pilot only)
 
 
-def sim_allocation(case: Case, alloc: dict[str, tuple[int, int, float]]) -> Allocation:
+def sim_allocation(case: Case, alloc: Alloc) -> Allocation:
     return Allocation(
-        tuple(ReplicaSpec(m, case.gpu, tp, share, d) for m, (d, tp, share) in alloc.items())
+        tuple(
+            ReplicaSpec(m, case.gpu, tp, share, d)
+            for m, row in alloc.items()
+            for d, tp, share in ModelAlloc(*row).groups
+        )
     )
 
 

@@ -23,6 +23,12 @@ from sim.workflows import WorkflowParams
 BASE_US = 1_700_000_000_000_000  # simulated t=0 as a wall-clock time
 
 
+# model -> (replicas, tp, share[, rest replicas, rest share]): optimizer.model.alp.ModelAlloc's
+# fields, a rest group only where the allocation mixes shares
+AllocRow = tuple[int, int, float] | tuple[int, int, float, int, float]
+Alloc = dict[str, AllocRow]
+
+
 @dataclass(frozen=True)
 class Case:
     """One workflow of the accuracy bench."""
@@ -35,7 +41,7 @@ class Case:
     eval_requests: int
     profile_calls: int = 1500  # calls of the profiled model per profile point
     capacity_requests: int = 400  # workflow requests per run when bracketing max throughput
-    allocations: list[dict[str, tuple[int, int, float]]] = field(default_factory=list)
+    allocations: list[Alloc] = field(default_factory=list)
 
 
 def calls_to_rows(calls: Sequence[SimCall]) -> list[tuple[Any, ...]]:

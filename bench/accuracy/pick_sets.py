@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from bench.accuracy.alp_truth import sim_allocation
-from bench.accuracy.cases import Case
+from bench.accuracy.cases import Alloc, AllocRow, Case
 from bench.evaluation.setup import cluster, memory_floor_bytes
 from optimizer.model.alp import ModelAlloc, Pipeline, Prediction
 from optimizer.model.curves import ProfileBook
@@ -43,9 +43,6 @@ from optimizer.search import solve
 from optimizer.search.space import SearchProblem, WorkflowTarget
 from shared.optimizer_settings import OptimizerSettings
 from sim.des import WorkloadSpec, simulate
-
-# model -> (replicas, tp, share), as bench.accuracy.cases.Case holds allocations
-Alloc = dict[str, tuple[int, int, float]]
 
 SIZES, QUICK_SIZES = (4, 8, 16), (4,)
 # of the largest rate the search finds feasible at the size
@@ -104,7 +101,12 @@ def problem(pipe: Pipeline, book: ProfileBook, gpus: int, rate: float) -> Search
 
 
 def as_alloc(allocation: dict[str, ModelAlloc]) -> Alloc:
-    return {m: (a.replicas, a.tp, round(a.share, 6)) for m, a in allocation.items()}
+    return {
+        m: (a.replicas, a.tp, round(a.share, 6), a.rest, round(a.rest_share, 6))
+        if a.rest
+        else (a.replicas, a.tp, round(a.share, 6))
+        for m, a in allocation.items()
+    }
 
 
 def search_pick(pipe: Pipeline, book: ProfileBook, gpus: int, rate: float) -> solve.PlacedSearch:
@@ -123,7 +125,7 @@ def search_picks(
     """The search's distinct picks for ``pipe`` over ``sizes`` x ``fractions`` of each size's
     largest feasible rate, in the order first picked. A pick that did not place is skipped
     (its (size, rate) is then missing from every ``picked_at``)."""
-    picks: dict[tuple[tuple[str, tuple[int, int, float]], ...], list[dict[str, Any]]] = {}
+    picks: dict[tuple[tuple[str, AllocRow], ...], list[dict[str, Any]]] = {}
     for gpus in sizes:
         top = max_feasible_rate(pipe, book, gpus)
         for f in fractions:
@@ -151,8 +153,9 @@ def provenance(book: ProfileBook, alloc: Alloc) -> dict[str, dict[str, Any]]:
     """Per model: ``measured`` or ``scaled`` (and from which share), live corrections, and the
     share model's relative uncertainty and light-load exponent (``optimizer.model.shares``)."""
     out: dict[str, dict[str, Any]] = {}
-    for m, (_, tp, share) in alloc.items():
-        prof = book.lookup(m, tp, share)
+    for m, row in alloc.items():
+        main = ModelAlloc(*row)  # a mixed allocation's rest group: its profile is the same book's
+        prof = book.lookup(m, main.tp, main.share)
         out[m] = {
             "curve": "measured" if prof.scaled_from is None else "scaled",
             "scaled_from": prof.scaled_from,

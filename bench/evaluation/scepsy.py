@@ -326,9 +326,10 @@ def allocate(
     placed = search_and_place(problem(k, targets, gpus, allow_tp, allow_fraction))
     result = placed.result
     allocation = specs_of(
-        (m.model, m.alloc.replicas, m.alloc.tp, m.alloc.share)
+        (m.model, count, tp, share)
         for w in result.workflows
         for m in w.models
+        for count, tp, share in m.alloc.groups
     )
     predicted = {
         w.workflow: {"latency": w.latency, "throughput": w.throughput, "served_rate": w.served_rate}

@@ -170,9 +170,7 @@ def _workflow_json(w: WorkflowAllocation, granularity: int) -> dict[str, Any]:
         "gpus": sum(m.units for m in w.models) / granularity,
         "models": {
             m.model: {
-                "replicas": m.alloc.replicas,
-                "tp": m.alloc.tp,
-                "share": m.alloc.share,
+                **m.alloc.doc(),
                 "gpus": m.units / granularity,
                 "contribution": _num(m.contribution),
                 "capacity": _num(m.capacity),
@@ -253,7 +251,7 @@ def _tables(result: SearchResult, placement: Placement | None) -> list[Table]:
                 m.model,
                 str(m.alloc.replicas),
                 str(m.alloc.tp),
-                f"{m.alloc.share:.2f}",
+                m.alloc.shares(),
                 f"{m.units / f:g}",
                 f"{m.contribution:.3f}",
                 f"{m.capacity:.3f}",

@@ -11,7 +11,9 @@ Invariants: pure (frozen values in, new values out). The running allocation is r
 from the replicas a backend observes, which carry no workflow: a model serving several
 workflows is split between them in proportion to their call rates (at least one replica each,
 approximate; the daemon's own rollouts know better and say so in the decision log). Where a
-replica set mixes configurations of one model, the most common (tp, share) stands for all.
+replica set mixes configurations of one model, the most common (tp, share) stands for the
+main group and, where it is TP 1, the other TP-1 replicas form the rest group at the next most
+common share (``ModelAlloc.rest``); otherwise the most common stands for all.
 """
 
 from __future__ import annotations
@@ -110,11 +112,20 @@ def running_allocation(
         configs = by_model.get(model)
         if not configs:
             continue
-        (tp, share), _ = Counter(configs).most_common(1)[0]
+        counts = Counter(configs).most_common()
+        (tp, share), _ = counts[0]
+        # TP-1 configurations beside a TP-1 main one: the mixed shares the search picks
+        # (whole GPUs and a remainder), at the second most common share
+        rest = [c for c in counts[1:] if c[0][0] == 1] if tp == 1 else []
+        rest_share = rest[0][0][1] if rest else 0.0
+        extra = sum(n for _, n in rest)
+        main = len(configs) - extra
         total = sum(users.values())
         for w, calls in users.items():
-            part = len(configs) * calls / total if total > 0 else len(configs) / len(users)
-            out[w][model] = ModelAlloc(max(1, round(part)), tp, share)
+            frac = calls / total if total > 0 else 1.0 / len(users)
+            out[w][model] = ModelAlloc(
+                max(1, round(main * frac)), tp, share, round(extra * frac), rest_share
+            )
     return out
 
 
@@ -249,19 +260,11 @@ def _num(x: float) -> float | None:
 
 
 def allocation_doc(result: SearchResult) -> dict[str, dict[str, dict[str, Any]]]:
-    """workflow -> model -> {replicas, tp, share, gpus}, plus per workflow a ``_`` entry with
+    """workflow -> model -> {replicas, tp, share, gpus[, rest, rest_share]}, plus per workflow a ``_`` entry with
     the predicted latency, throughput and feasibility."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for w in result.workflows:
-        models: dict[str, dict[str, Any]] = {
-            m.model: {
-                "replicas": m.alloc.replicas,
-                "tp": m.alloc.tp,
-                "share": round(m.alloc.share, 4),
-                "gpus": round(m.alloc.replicas * m.alloc.tp * m.alloc.share, 4),
-            }
-            for m in w.models
-        }
+        models: dict[str, dict[str, Any]] = {m.model: dict(m.alloc.doc()) for m in w.models}
         models["_"] = {
             "rate": w.rate,
             "latency": _num(w.latency),
@@ -274,18 +277,7 @@ def allocation_doc(result: SearchResult) -> dict[str, dict[str, dict[str, Any]]]
 
 
 def running_doc(running: Running) -> dict[str, dict[str, dict[str, Any]]]:
-    return {
-        w: {
-            m: {
-                "replicas": a.replicas,
-                "tp": a.tp,
-                "share": a.share,
-                "gpus": round(a.replicas * a.tp * a.share, 4),
-            }
-            for m, a in models.items()
-        }
-        for w, models in running.items()
-    }
+    return {w: {m: dict(a.doc()) for m, a in models.items()} for w, models in running.items()}
 
 
 def placement_doc(placement: Placement) -> list[dict[str, Any]]:

@@ -50,18 +50,7 @@ def _num(x: float | None) -> float | None:
 
 def _allocation(report: TickReport) -> dict[str, dict[str, dict[str, float]]]:
     assert report.result is not None
-    return {
-        w.workflow: {
-            m.model: {
-                "replicas": m.alloc.replicas,
-                "tp": m.alloc.tp,
-                "share": round(m.alloc.share, 4),
-                "gpus": round(m.alloc.replicas * m.alloc.tp * m.alloc.share, 4),
-            }
-            for m in w.models
-        }
-        for w in report.result.workflows
-    }
+    return {w.workflow: {m.model: m.alloc.doc() for m in w.models} for w in report.result.workflows}
 
 
 def _entry(report: TickReport) -> dict[str, Any] | None:

@@ -97,7 +97,7 @@ def _allocation_table(report: TickReport) -> Table | None:
                 m.model,
                 str(m.alloc.replicas),
                 str(m.alloc.tp),
-                f"{m.alloc.share:.2f}",
+                m.alloc.shares(),
                 _s(w.latency) if k == 0 else "",
                 str(w.feasible) if k == 0 else "",
             )

@@ -170,11 +170,54 @@ class Pipeline:
 @dataclass(frozen=True, slots=True)
 class ModelAlloc:
     """One model's share of an allocation: ``replicas`` copies at TP ``tp``, each on ``share``
-    of each of its ``tp`` GPUs."""
+    of each of its ``tp`` GPUs, and ``rest`` more TP-1 copies on ``rest_share`` of a GPU each
+    (mixed shares: the whole GPUs of a run plus its partial ones, ``3 x 1.0 + 1 x 0.5``)."""
 
     replicas: int
     tp: int = 1
     share: float = 1.0
+    rest: int = 0
+    rest_share: float = 0.0
+
+    @property
+    def groups(self) -> tuple[tuple[int, int, float], ...]:
+        """``(replicas, tp, share)`` of each group of identical replicas."""
+        main = ((self.replicas, self.tp, self.share),)
+        return (*main, (self.rest, 1, self.rest_share)) if self.rest else main
+
+    @property
+    def count(self) -> int:
+        """Replicas of every group."""
+        return self.replicas + self.rest
+
+    @property
+    def gpus(self) -> float:
+        """GPUs held, shares summed."""
+        return sum(d * t * s for d, t, s in self.groups)
+
+    def doc(self) -> dict[str, float]:
+        """{replicas, tp, share, gpus} (shares rounded to 4 digits), with ``rest`` and
+        ``rest_share`` where there is a rest group."""
+        out: dict[str, float] = {
+            "replicas": self.replicas,
+            "tp": self.tp,
+            "share": round(self.share, 4),
+            "gpus": round(self.gpus, 4),
+        }
+        if self.rest:
+            out |= {"rest": self.rest, "rest_share": round(self.rest_share, 4)}
+        return out
+
+    def shares(self) -> str:
+        """The share column of a table: ``0.50``, or ``1.00 + 1 x 0.50`` with a rest group."""
+        return f"{self.share:.2f}" + (
+            f" + {self.rest} x {self.rest_share:.2f}" if self.rest else ""
+        )
+
+    def describe(self) -> str:
+        """``2 x TP1 @ 0.50`` (``+ 1 x 0.25`` with a rest group)."""
+        main = f"{self.replicas} x TP{self.tp} @ {self.share:.2f}"
+        return main + (f" + {self.rest} x {self.rest_share:.2f}" if self.rest else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +251,77 @@ class Prediction:
         return self.rate < self.throughput
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One group of identical replicas for some rows of a batch: the profile of each row
+    (rows sharing a (TP, share) share one lookup) and its pessimistic curve."""
+
+    rows: IntArray  # the batch's rows this group is for
+    profiles: tuple[Profile, ...]
+    inverse: IntArray  # per row, its index into ``profiles``
+
+    @classmethod
+    def of(
+        cls,
+        book: ProfileBook,
+        model: str,
+        rows: IntArray,
+        tp: npt.ArrayLike,
+        share: npt.ArrayLike,
+        replicas: npt.ArrayLike,
+    ) -> _Group:
+        t = np.asarray(tp, dtype=np.float64)
+        # Shares are compared after rounding so float noise does not split a group.
+        s_key = np.round(np.asarray(share, dtype=np.float64), 6)
+        if not len(rows):
+            return cls(rows, (), np.zeros(0, dtype=np.int64))
+        pairs, inverse = np.unique(np.stack([t, s_key], axis=1), axis=0, return_inverse=True)
+        profiles = tuple(book.lookup(model, int(a), float(b)) for a, b in pairs)
+        return cls(rows, profiles, inverse.reshape(-1).astype(np.int64))
+
+    def saturation(self, fast: bool) -> FloatArray:
+        per = [
+            p.saturation if fast else p.saturation / (1.0 + p.uncertainty) for p in self.profiles
+        ]
+        return np.asarray(np.array(per, dtype=np.float64)[self.inverse], dtype=np.float64)
+
+    @property
+    def scaled(self) -> npt.NDArray[np.bool_]:
+        return np.array([p.scaled_from is not None for p in self.profiles], dtype=bool)[
+            self.inverse
+        ]
+
+    @property
+    def uncertainty(self) -> FloatArray:
+        return np.asarray(
+            np.array([p.uncertainty for p in self.profiles], dtype=np.float64)[self.inverse],
+            dtype=np.float64,
+        )
+
+    def latency(
+        self,
+        fast: bool,
+        call_rate: FloatArray,
+        pool: FloatArray,
+        stat: Stat,
+        pooling: bool,
+        n: float,
+        subset: IntArray | None = None,
+    ) -> FloatArray:
+        """Per row (of ``subset``, positions in ``self.rows``; default every row), the call
+        latency at ``call_rate`` per replica, on the profile (``fast``) or its pessimistic
+        curve (a profile without uncertainty is its own: no second curve)."""
+        which = self.inverse if subset is None else self.inverse[subset]
+        out = np.empty(len(which))
+        for g, prof in enumerate(self.profiles):
+            at = np.flatnonzero(which == g)
+            if not at.size:
+                continue
+            curve = prof if fast or not prof.uncertainty else prof.pessimistic()
+            out[at] = _stage_latency(curve, call_rate[at], pool[at], stat, pooling, n)
+        return out
+
+
 def pooling_factor(rho: npt.ArrayLike, replicas: npt.ArrayLike) -> FloatArray:
     """Waiting time of ``d`` pooled servers relative to one server, both at utilisation
     ``rho`` (Sakasegawa: ``Lq(M/M/c) ≈ rho^sqrt(2(c+1)) / (1-rho)``); exactly 1 for ``d = 1``."""
@@ -234,6 +348,39 @@ def _stage_latency(
         gain = 1.0 - pooling_factor(rho, replicas) ** POOLING_EXPONENT
         pooled = lat - free * excess * gain
     return np.asarray(np.where(np.isfinite(lat), pooled, lat), dtype=np.float64)
+
+
+def _mixed(
+    st: Stage,
+    rate: float,
+    counts: FloatArray,
+    profs: Sequence[Profile],
+    stat: Stat,
+    pooling: bool,
+) -> tuple[float, float, float]:
+    """One stage served by groups of replicas (``counts[g]`` of profile ``profs[g]``): the
+    call rate per replica of the first group, the stage's call latency and its capacity
+    (workflow requests/s). The router spreads calls in proportion to the replicas' speed
+    (every replica at the same utilisation), so the stage's latency is the groups' latencies
+    weighted by the calls each serves; pooling counts every replica. One group: eqs. 1-2."""
+    sat = np.array([p.saturation for p in profs])
+    total = float((counts * sat).sum())
+    capacity = total / st.n if st.n > 0 else math.inf
+    calls = rate * st.n
+    if len(profs) == 1:
+        per_replica = np.array([calls / counts[0]])
+    else:
+        per_replica = calls * sat / total if total > 0 else np.full(len(profs), math.inf)
+    pool = float(counts.sum())
+    lat = np.array(
+        [
+            float(_stage_latency(p, r, pool, stat, pooling, st.n))
+            for p, r in zip(profs, per_replica, strict=True)
+        ]
+    )
+    served = counts * sat / total if total > 0 else counts / counts.sum()
+    latency = float((served * lat).sum()) if np.isfinite(lat).all() else math.inf
+    return float(per_replica[0]), latency, capacity
 
 
 def critical_path(pipeline: Pipeline, contribution: npt.ArrayLike) -> FloatArray:
@@ -271,13 +418,12 @@ def predict(
     for st in pipeline.stages:
         alloc = allocation[st.model]
         weight = None if busy is None else busy.get(st.model)
-        prof = book.lookup(st.model, alloc.tp, alloc.share, busy=weight)
-        slow = prof.pessimistic()
-        call_rate = rate * st.n / alloc.replicas
-        call_latency = float(_stage_latency(prof, call_rate, alloc.replicas, stat, pooling, st.n))
-        high = float(_stage_latency(slow, call_rate, alloc.replicas, stat, pooling, st.n))
-        capacity = alloc.replicas * prof.saturation / st.n if st.n > 0 else math.inf
-        capacity_low = alloc.replicas * slow.saturation / st.n if st.n > 0 else math.inf
+        profs = [book.lookup(st.model, t, s, busy=weight) for _, t, s in alloc.groups]
+        counts = np.array([float(d) for d, _, _ in alloc.groups])
+        fast = _mixed(st, rate, counts, profs, stat, pooling)
+        slow = _mixed(st, rate, counts, [p.pessimistic() for p in profs], stat, pooling)
+        call_rate, call_latency, capacity = fast
+        high, capacity_low = slow[1], slow[2]
         stages.append(
             StagePrediction(
                 model=st.model,
@@ -286,8 +432,8 @@ def predict(
                 contribution=call_latency * st.n / st.p,
                 capacity=capacity,
                 utilisation=rate / capacity if capacity > 0 else math.inf,
-                scaled_from=prof.scaled_from,
-                uncertainty=prof.uncertainty,
+                scaled_from=next((p.scaled_from for p in profs if p.scaled_from), None),
+                uncertainty=max(p.uncertainty for p in profs),
                 capacity_low=capacity_low,
                 contribution_high=high * st.n / st.p,
             )
@@ -335,17 +481,24 @@ def predict_many(
     share: npt.ArrayLike,
     stat: Stat = "mean",
     pooling: bool = True,
+    rest: npt.ArrayLike | None = None,
+    rest_share: npt.ArrayLike | None = None,
 ) -> BatchPrediction:
-    """Vectorised :func:`predict`: ``replicas``, ``tp``, ``share`` are (C, M) arrays, column
-    ``j`` for ``pipeline.stages[j]``."""
+    """Vectorised :func:`predict`: ``replicas``, ``tp``, ``share`` (and ``rest``,
+    ``rest_share``: the TP-1 rest group of :class:`ModelAlloc`, 0 where none) are (C, M)
+    arrays, column ``j`` for ``pipeline.stages[j]``."""
     d = np.asarray(replicas, dtype=np.float64)
     t = np.asarray(tp, dtype=np.int64)
     s = np.asarray(share, dtype=np.float64)
+    r = np.zeros_like(d) if rest is None else np.asarray(rest, dtype=np.float64)
+    rs = np.zeros_like(d) if rest_share is None else np.asarray(rest_share, dtype=np.float64)
     if (
         d.ndim != 2
         or d.shape[1] != len(pipeline.stages)
         or t.shape != d.shape
         or s.shape != d.shape
+        or r.shape != d.shape
+        or rs.shape != d.shape
     ):
         raise ValueError(f"allocations must be (C, {len(pipeline.stages)}) arrays")
     n_cand, n_stage = d.shape
@@ -355,36 +508,44 @@ def predict_many(
     u = np.zeros((n_cand, n_stage))
     contribution_high = np.empty((n_cand, n_stage))
     capacity_low = np.empty((n_cand, n_stage))
+    everyone = np.arange(n_cand)
     for j, st in enumerate(pipeline.stages):
-        # Shares are compared after rounding so float noise does not split a group.
-        s_key = np.round(s[:, j], 6)
-        pairs, inverse = np.unique(
-            np.stack([t[:, j].astype(np.float64), s_key], axis=1), axis=0, return_inverse=True
+        main = _Group.of(book, st.model, everyone, t[:, j], s[:, j], d[:, j])
+        mixed = np.flatnonzero(r[:, j] > 0)
+        extra = _Group.of(
+            book, st.model, mixed, np.ones(len(mixed), np.int64), rs[mixed, j], r[mixed, j]
         )
-        inverse = inverse.reshape(-1)
-        profiles: list[Profile] = [book.lookup(st.model, int(a), float(b)) for a, b in pairs]
-        sat = np.array([p.saturation for p in profiles])[inverse]
-        slow = np.array([p.saturation / (1.0 + p.uncertainty) for p in profiles])[inverse]
-        capacity[:, j] = d[:, j] * sat / st.n if st.n > 0 else np.inf
-        capacity_low[:, j] = d[:, j] * slow / st.n if st.n > 0 else np.inf
-        call_rate = rate * st.n / d[:, j]
-        lat = np.empty(n_cand)
-        high = np.empty(n_cand)
-        order = np.argsort(inverse, kind="stable")
-        bounds = np.searchsorted(inverse[order], np.arange(len(profiles) + 1))
-        for g, prof in enumerate(profiles):
-            rows = order[bounds[g] : bounds[g + 1]]
-            lat[rows] = _stage_latency(prof, call_rate[rows], d[rows, j], stat, pooling, st.n)
-            scaled[rows, j] = prof.scaled_from is not None
-            u[rows, j] = prof.uncertainty
-            # a profile without uncertainty is its own pessimistic curve: no second lookup
-            high[rows] = (
-                _stage_latency(prof.pessimistic(), call_rate[rows], d[rows, j], stat, pooling, st.n)
-                if prof.uncertainty
-                else lat[rows]
-            )
-        contribution[:, j] = lat * st.n / st.p
-        contribution_high[:, j] = high * st.n / st.p
+        pool = d[:, j] + r[:, j]
+        calls = rate * st.n
+        for fast in (True, False):
+            sat = main.saturation(fast)
+            total = d[:, j] * sat
+            sat_rest = extra.saturation(fast)
+            total[mixed] += r[mixed, j] * sat_rest
+            lat = main.latency(fast, calls / d[:, j], pool, stat, pooling, st.n)
+            if mixed.size:
+                lat_main = main.latency(
+                    fast, calls * sat[mixed] / total[mixed], pool[mixed], stat, pooling, st.n, mixed
+                )
+                lat_rest = extra.latency(
+                    fast, calls * sat_rest / total[mixed], pool[mixed], stat, pooling, st.n
+                )
+                with np.errstate(invalid="ignore"):
+                    lat[mixed] = (
+                        d[mixed, j] * sat[mixed] * lat_main + r[mixed, j] * sat_rest * lat_rest
+                    ) / total[mixed]
+                lat[mixed] = np.where(
+                    np.isfinite(lat_main) & np.isfinite(lat_rest), lat[mixed], np.inf
+                )
+            cap = total / st.n if st.n > 0 else np.full(n_cand, np.inf)
+            if fast:
+                contribution[:, j], capacity[:, j] = lat * st.n / st.p, cap
+            else:
+                contribution_high[:, j], capacity_low[:, j] = lat * st.n / st.p, cap
+        scaled[:, j] = main.scaled
+        u[:, j] = main.uncertainty
+        scaled[mixed, j] |= extra.scaled
+        u[mixed, j] = np.maximum(u[mixed, j], extra.uncertainty)
     neck = np.argmin(capacity, axis=1)
     throughput = capacity[np.arange(n_cand), neck]
     latency = critical_path(pipeline, contribution) + pipeline.tool_time

@@ -96,6 +96,9 @@ def _vectors(models: int, budget: int, ratio_order: bool) -> Iterator[IntArray]:
             yield np.concatenate([np.full((len(rest), 1), first, dtype=np.int64), rest], axis=1)
 
 
+Rows = tuple[IntArray, IntArray, FloatArray, IntArray, FloatArray]
+
+
 def _rows(
     problem: SearchProblem,
     layout: LineLayout,
@@ -103,14 +106,15 @@ def _rows(
     order: tuple[int, ...],
     vectors: IntArray,
     start: int,
-) -> tuple[IntArray, IntArray, FloatArray]:
-    """(replicas, tp, share) per row and stage (stage order) for every valid configuration."""
+) -> Rows:
+    """(replicas, tp, share, rest, rest share) per row and stage (stage order) for every
+    valid configuration."""
     stages = target.pipeline.stages
     count = len(stages)
     vec = np.arange(len(vectors))
     tp = np.zeros((len(vectors), count), dtype=np.int64)
-    reps = np.zeros_like(tp)
-    share = np.zeros((len(vectors), count))
+    reps, rest = np.zeros_like(tp), np.zeros_like(tp)
+    share, rest_share = np.zeros((len(vectors), count)), np.zeros((len(vectors), count))
     starts = start + np.concatenate(
         [np.zeros((len(vectors), 1), dtype=np.int64), np.cumsum(vectors, axis=1)[:, :-1]], axis=1
     )
@@ -118,10 +122,13 @@ def _rows(
         rules = model_rules(problem, target.pipeline.workflow, stages[j].model)
         rc = run_configs(layout, starts[vec, pos], vectors[vec, pos])
         vec, tp, reps, share = vec[rc.run], tp[rc.run], reps[rc.run], share[rc.run]
+        rest, rest_share = rest[rc.run], rest_share[rc.run]
         tp[:, j], reps[:, j], share[:, j] = rc.tp, rc.replicas, rc.share
-        ok = valid_mask(rules, tp[:, j], reps[:, j], share[:, j])
+        rest[:, j], rest_share[:, j] = rc.rest, rc.rest_share
+        ok = valid_mask(rules, rc)
         vec, tp, reps, share = vec[ok], tp[ok], reps[ok], share[ok]
-    return reps, tp, share
+        rest, rest_share = rest[ok], rest_share[ok]
+    return reps, tp, share, rest, rest_share
 
 
 def solve(
@@ -145,15 +152,25 @@ def solve(
             if deadline is not None and time.monotonic() > deadline:
                 raise ReferenceTimeout(f"{pipe.workflow}: reference solver past its deadline")
             parts.append(_rows(problem, layout, target, order, chunk[i : i + CHUNK], start))
-    reps = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, len(pipe.stages)))
-    tp = np.concatenate([p[1] for p in parts]) if parts else reps
-    share = np.concatenate([p[2] for p in parts]) if parts else reps
+    empty = np.zeros((0, len(pipe.stages)))
+    reps, tp, share, rest, rest_share = (
+        np.concatenate([p[k] for p in parts]) if parts else empty for k in range(5)
+    )
     if len(reps) == 0:
         return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
 
     def run(rate: float) -> alp.BatchPrediction:
         return alp.predict_many(
-            pipe, problem.book, rate, reps, tp, share, stat=problem.stat, pooling=problem.pooling
+            pipe,
+            problem.book,
+            rate,
+            reps,
+            tp,
+            share,
+            stat=problem.stat,
+            pooling=problem.pooling,
+            rest=rest,
+            rest_share=rest_share,
         )
 
     rate = target.rate
@@ -167,7 +184,13 @@ def solve(
         covers = _low(problem, pred) >= top * (1.0 - FEASIBLE_RTOL)
     best = int(np.argmin(np.where(covers, _high(problem, pred), np.inf)))
     alloc = {
-        st.model: ModelAlloc(int(reps[best, j]), int(tp[best, j]), float(share[best, j]))
+        st.model: ModelAlloc(
+            int(reps[best, j]),
+            int(tp[best, j]),
+            float(share[best, j]),
+            int(rest[best, j]),
+            float(rest_share[best, j]),
+        )
         for j, st in enumerate(pipe.stages)
     }
     return ReferenceResult(

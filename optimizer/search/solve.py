@@ -68,7 +68,6 @@ from optimizer.search.space import (
     FEASIBLE_RTOL,
     MAX_MIN,
     MIN_SUM,
-    SHARE_DIGITS,
     ExcludedConfig,
     FloatArray,
     IntArray,
@@ -123,6 +122,8 @@ class _Configs:
     tp: IntArray
     replicas: IntArray
     share: FloatArray
+    rest: IntArray  # the mixed family's TP-1 rest group (0: none)
+    rest_share: FloatArray
     raw: FloatArray  # (cycle, U+1): configurations per (offset, units) before the rules
     valid: FloatArray  # (cycle, U+1): 1 where at least one survives the rules
 
@@ -136,11 +137,22 @@ def _configs(
     rc = run_configs(layout, o, u)
     raw = np.zeros((cycle, total + 1))
     np.add.at(raw, (o[rc.run], u[rc.run]), 1.0)
-    ok = valid_mask(rules, rc.tp, rc.replicas, rc.share)
+    ok = valid_mask(rules, rc)
     co, cu = o[rc.run[ok]], u[rc.run[ok]]
     valid = np.zeros((cycle, total + 1))
     valid[co, cu] = 1.0
-    return _Configs(stage, co, cu, rc.tp[ok], rc.replicas[ok], rc.share[ok], raw, valid)
+    return _Configs(
+        stage,
+        co,
+        cu,
+        rc.tp[ok],
+        rc.replicas[ok],
+        rc.share[ok],
+        rc.rest[ok],
+        rc.rest_share[ok],
+        raw,
+        valid,
+    )
 
 
 @dataclass(frozen=True)
@@ -172,9 +184,11 @@ def _tables(
     problem: SearchProblem, c: _Configs, workflow: str, rate: float, target: float, cycle: int
 ) -> _Tables:
     total = problem.units
-    # one integer key per (tp, replicas, share): a 1-D unique is far cheaper than rows'
-    scale = 10 ** (SHARE_DIGITS + 3)
-    key = (c.replicas * 64 + c.tp) * (2 * scale) + np.round(c.share * scale).astype(np.int64)
+    # one integer key per (tp, replicas, share, rest, rest share): a 1-D unique is far
+    # cheaper than rows' (shares are multiples of 1 / granularity, at most 1: 8 bits each)
+    steps = np.round(c.share * problem.granularity).astype(np.int64)
+    rest_steps = np.round(c.rest_share * problem.granularity).astype(np.int64)
+    key = (((c.replicas * 64 + c.tp) * 256 + steps) * 256 + c.rest) * 256 + rest_steps
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     single = Pipeline(workflow, (c.stage,))
@@ -187,6 +201,8 @@ def _tables(
         c.share[first, None],
         stat=problem.stat,
         pooling=problem.pooling,
+        rest=c.rest[first, None],
+        rest_share=c.rest_share[first, None],
     )
     # ranked at the slow end of the uncertainty (module docstring), unless relaxed
     if problem.cautious:
@@ -302,7 +318,13 @@ class _Workflow:
         for c, arg, u in zip(self.configs, args, units, strict=True):
             i = int(arg[pos % f, u])
             picks[c.stage.model] = (
-                ModelAlloc(int(c.replicas[i]), int(c.tp[i]), float(c.share[i])),
+                ModelAlloc(
+                    int(c.replicas[i]),
+                    int(c.tp[i]),
+                    float(c.share[i]),
+                    int(c.rest[i]),
+                    float(c.rest_share[i]),
+                ),
                 u,
                 pos,
             )
@@ -433,17 +455,11 @@ def replica_demands(
     """One :class:`ReplicaDemand` per replica of ``result`` (memory in proportion to share)."""
     floors = floors or {}
     return [
-        ReplicaDemand(
-            w.workflow,
-            m.model,
-            m.alloc.tp,
-            min(m.alloc.share, 1.0),
-            None,
-            int(floors.get(m.model, 0)),
-        )
+        ReplicaDemand(w.workflow, m.model, tp, min(share, 1.0), None, int(floors.get(m.model, 0)))
         for w in result.workflows
         for m in w.models
-        for _ in range(m.alloc.replicas)
+        for count, tp, share in m.alloc.groups
+        for _ in range(count)
     ]
 
 
@@ -471,12 +487,15 @@ def line_placement(problem: SearchProblem, result: SearchResult) -> Placement:
                     tuple(gpu for gpu, _ in pieces[r * a.tp : (r + 1) * a.tp])
                     for r in range(a.replicas)
                 ]
+            elif a.rest:  # one replica per piece: the whole ones first, then the partial ones
+                groups = [(gpu,) for gpu, units in pieces if units == f]
+                groups += [(gpu,) for gpu, units in pieces if units < f]
             else:
                 slot = a.share * f
                 groups = [
                     tuple([gpu]) for gpu, units in pieces for _ in range(int(units / slot + 1e-9))
                 ][: a.replicas]
-            if len(groups) < a.replicas:
+            if len(groups) < a.count:
                 raise PlacementError(
                     f"{w.workflow}/{m.model}: {a} does not fit its run "
                     f"of {m.units} units at line unit {m.start}"
@@ -541,5 +560,15 @@ def search_and_place(problem: SearchProblem, max_attempts: int = 8) -> PlacedSea
             problem = replace(
                 problem,
                 exclude=problem.exclude
-                | {ExcludedConfig(d.workflow, d.model, alloc.tp, alloc.replicas, alloc.share)},
+                | {
+                    ExcludedConfig(
+                        d.workflow,
+                        d.model,
+                        alloc.tp,
+                        alloc.replicas,
+                        alloc.share,
+                        alloc.rest,
+                        alloc.rest_share,
+                    )
+                },
             )

@@ -23,6 +23,10 @@ order: :func:`line_gpus`):
   (b) TP 1 with several replicas per piece (beyond the paper: one LLM's replicas share a GPU
   the way different LLMs do): for a slot of ``c`` units (``1 <= c <= F``), ``d = Σ_pieces
   floor(piece / c)`` replicas of share ``c / F``;
+  (c) mixed shares, TP 1 (beyond the paper: what per-LLM sizing does with a remainder): one
+  replica per piece at the piece's own size, where the run has whole pieces and partial ones
+  of one size (``3 x 1.0 + 1 x 0.5`` on 3.5 GPUs; family (a) would run four replicas at the
+  smallest piece, 0.5); the partial pieces form the :class:`ModelAlloc`'s rest group;
   what a configuration does not use of the run stays idle;
 - ``tp`` a power of two within the largest NVLink domain and among the model's allowed degrees
   (only 1 when TP is disabled); ``s == 1`` when fractions are disabled; ``s · tp · memory >=
@@ -93,6 +97,8 @@ class ExcludedConfig:
     tp: int
     replicas: int
     share: float
+    rest: int = 0
+    rest_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,8 @@ class ModelRules:
     floor_bytes: int
     gpu_memory_bytes: int
     allow_fraction: bool
-    excluded: frozenset[tuple[int, int, float]]  # (tp, replicas, rounded share)
+    # (tp, replicas, rounded share, rest replicas, rounded rest share)
+    excluded: frozenset[tuple[int, int, float, int, float]]
 
 
 def powers_of_two_upto(limit: int) -> tuple[int, ...]:
@@ -180,7 +187,7 @@ def model_rules(problem: SearchProblem, workflow: str, model: str) -> ModelRules
             f"{', TP disabled' if not problem.allow_tp else ''})"
         )
     excluded = frozenset(
-        (e.tp, e.replicas, round(e.share, SHARE_DIGITS))
+        (e.tp, e.replicas, round(e.share, SHARE_DIGITS), e.rest, round(e.rest_share, SHARE_DIGITS))
         for e in problem.exclude
         if (e.workflow, e.model) == (workflow, model)
     )
@@ -251,12 +258,15 @@ def line_layout(cluster: Cluster, granularity: int) -> LineLayout:
 
 @dataclass(frozen=True)
 class RunConfigs:
-    """Configurations of runs, as parallel arrays; ``run`` indexes the runs asked about."""
+    """Configurations of runs, as parallel arrays; ``run`` indexes the runs asked about;
+    ``rest`` replicas of ``rest_share`` beside the main group (family (c); 0 elsewhere)."""
 
     run: IntArray
     tp: IntArray
     replicas: IntArray
     share: FloatArray
+    rest: IntArray
+    rest_share: FloatArray
 
 
 def run_configs(layout: LineLayout, position: npt.ArrayLike, units: npt.ArrayLike) -> RunConfigs:
@@ -293,18 +303,44 @@ def run_configs(layout: LineLayout, position: npt.ArrayLike, units: npt.ArrayLik
                 np.full(int(fits.sum()), slot / f),
             )
         )
-    run, tp, reps = (np.concatenate([q[i] for q in parts]).astype(np.int64) for i in range(3))
-    return RunConfigs(run, tp, reps, np.concatenate([q[3] for q in parts]).astype(np.float64))
+    # (c) one replica per piece: the whole pieces at share 1, the partial ones (all of one
+    # size) as the rest group
+    partial = (head < f).astype(np.int64) + ((tail > 0) & (tail < f)).astype(np.int64)
+    whole = g - partial
+    size = np.where(head < f, head, tail)
+    one_size = (head == f) | (tail == 0) | (tail == f) | (head == tail)
+    mixed = (g >= 2) & (whole >= 1) & (partial >= 1) & one_size
+    count = int(mixed.sum())
+    run, tp, reps = (
+        np.concatenate([q[i] for q in parts] + [x]).astype(np.int64)
+        for i, x in enumerate((idx[mixed], np.ones(count), whole[mixed]))
+    )
+    share = np.concatenate([q[3] for q in parts] + [np.ones(count)]).astype(np.float64)
+    singles = len(run) - count
+    rest = np.concatenate([np.zeros(singles, np.int64), partial[mixed]]).astype(np.int64)
+    rest_share = np.concatenate([np.zeros(singles), size[mixed] / f]).astype(np.float64)
+    return RunConfigs(run, tp, reps, share, rest, rest_share)
 
 
-def valid_mask(rules: ModelRules, tp: IntArray, replicas: IntArray, share: FloatArray) -> BoolArray:
-    """Which configurations (arrays of equal shape, from :func:`run_configs`) the rules allow."""
+def valid_mask(rules: ModelRules, rc: RunConfigs) -> BoolArray:
+    """Which configurations of ``rc`` the rules allow (a rest group counts as a fraction and
+    must hold the memory floor too)."""
+    tp, share = rc.tp, rc.share
+    has_rest = rc.rest > 0
     ok = (share <= 1.0 + 1e-12) & np.isin(tp, rules.tps)
     if not rules.allow_fraction:
-        ok &= np.abs(share - 1.0) <= 1e-12
+        ok &= (np.abs(share - 1.0) <= 1e-12) & ~has_rest
     ok &= share * tp * rules.gpu_memory_bytes >= rules.floor_bytes * (1.0 - 1e-12)
-    for t, d, s in rules.excluded:
-        ok &= ~((tp == t) & (replicas == d) & (np.round(share, SHARE_DIGITS) == s))
+    rest_fits = rc.rest_share * rules.gpu_memory_bytes >= rules.floor_bytes * (1.0 - 1e-12)
+    ok &= ~has_rest | rest_fits
+    for t, d, s, r, rs in rules.excluded:
+        ok &= ~(
+            (tp == t)
+            & (rc.replicas == d)
+            & (np.round(share, SHARE_DIGITS) == s)
+            & (rc.rest == r)
+            & (np.round(rc.rest_share, SHARE_DIGITS) == rs)
+        )
     return np.asarray(ok, dtype=np.bool_)
 
 

@@ -106,7 +106,7 @@ def test_profile_documents_read_back_as_the_points_they_hold(tmp_path: Path) -> 
     jobs = [
         ProfileJob(case, m, tp, share, n_per_request=1.0, target_calls=100, start_rate=1.0)
         for m, tp, share in sorted(
-            {(m, tp, share) for alloc in case.allocations for m, (_, tp, share) in alloc.items()}
+            {(m, row[1], row[2]) for alloc in case.allocations for m, row in alloc.items()}
         )
     ]
     profiled = [

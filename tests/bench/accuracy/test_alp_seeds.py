@@ -10,14 +10,15 @@ import pytest
 
 from bench.accuracy.alp_accuracy import _cases
 from bench.accuracy.alp_seeds import _alloc_index, main, selected
+from bench.accuracy.cases import Alloc
 
 pytestmark = pytest.mark.timeout(60)
 
 RAG = _cases()[1]
 
 
-def _doc(alloc: dict[str, tuple[int, int, float]]) -> dict[str, dict[str, float]]:
-    return {m: {"replicas": d, "tp": tp, "share": s} for m, (d, tp, s) in alloc.items()}
+def _doc(alloc: Alloc) -> dict[str, dict[str, float]]:
+    return {m: {"replicas": row[0], "tp": row[1], "share": row[2]} for m, row in alloc.items()}
 
 
 def _run(tmp_path: Path) -> Path:

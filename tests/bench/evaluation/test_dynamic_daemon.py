@@ -98,7 +98,7 @@ def test_a_rate_step_is_rolled_out_and_what_runs_is_what_serves(tmp_path: Path) 
     steps = [(0.0, 0.25 * top), (120.0, 0.7 * top)]
     rows = dynamic.step_check(sim, steps, 300.0, spans, log, fast.window_s)
     assert [r["from"] for r in rows] == [0.0, 120.0]
-    assert rows[1]["settled"] == max(end for start, end in spans if start >= 120.0)
+    assert rows[1]["settled"] == max(end for start, end in spans if 120.0 <= start < 300.0)
     rag = rows[1]["workflows"]["rag"]
     assert rag["requests"] > 0 and rag["observed"] is not None
     if rag["predicted"] is not None:

@@ -235,8 +235,12 @@ async def _in_flight(tmp_path: Path) -> tuple[Daemon, StuckBackend, str]:
     backend = StuckBackend()
     daemon = Daemon(_settings(tmp_path), backend, clock=FakeClock(T0 + 50.0))
     await daemon.tick()
-    await asyncio.sleep(0.05)  # the run's task starts its replica
-    (gid,) = [g for g in backend.started if g.startswith("profiling-")]
+    for _ in range(500):  # the run's task starts its replica (slowly on a loaded machine)
+        started = [g for g in backend.started if g.startswith("profiling-")]
+        if started:
+            break
+        await asyncio.sleep(0.01)
+    (gid,) = started
     return daemon, backend, gid
 
 

@@ -32,6 +32,7 @@ from optimizer.search.space import (
 )
 from shared.cluster import Cluster
 from shared.profile_points import ProfilePoint
+from tests.optimizer.model.test_shares import queue
 from tests.optimizer.search.instances import (
     GPU_MEMORY,
     curve,
@@ -60,6 +61,8 @@ def _reference_latency(problem: SearchProblem, result: SearchResult, rate: float
         [[alloc[s.model].share for s in pipe.stages]],
         stat=problem.stat,
         pooling=problem.pooling,
+        rest=[[alloc[s.model].rest for s in pipe.stages]],
+        rest_share=[[alloc[s.model].rest_share for s in pipe.stages]],
     )
     return float((pred.latency_high if problem.cautious else pred.latency)[0])
 
@@ -71,15 +74,18 @@ def _rules_hold(problem: SearchProblem, result: SearchResult) -> None:
         for m in w.models:
             a = m.alloc
             assert a.tp in domain
+            floor = problem.memory_floor_bytes.get(m.model, 0)
             assert 0 < a.share <= 1.0 + 1e-12
             # the replicas fit inside the model's run (what the run does not use stays idle)
-            assert a.replicas * a.tp * a.share * problem.granularity <= m.units + 1e-9
-            floor = problem.memory_floor_bytes.get(m.model, 0)
+            assert a.gpus * problem.granularity <= m.units + 1e-9
+            if a.rest:  # mixed shares: TP 1, a smaller rest group, both over the floor
+                assert a.tp == 1 and 0 < a.rest_share < a.share == 1.0
+                assert a.rest_share * problem.gpu_memory_bytes >= floor * (1 - 1e-12)
             assert a.share * a.tp * problem.gpu_memory_bytes >= floor * (1 - 1e-12)
             if not problem.allow_tp:
                 assert a.tp == 1
             if not problem.allow_fraction:
-                assert a.share == 1.0
+                assert a.share == 1.0 and not a.rest
     if any(w.models for w in result.workflows):
         # placement-aware: the search's own layout is a sound placement
         check_placement(problem.cluster, line_placement(problem, result))
@@ -199,7 +205,7 @@ def _crafted(welfare: str) -> SearchProblem:
     # rates where the worst-off workflow and the sum pull the split different ways (the
     # paper's latency model, without the pooling correction, so the case stays put)
     return SearchProblem(
-        (WorkflowTarget(agent, 2.0), WorkflowTarget(chat, 24.0)),
+        (WorkflowTarget(agent, 2.0), WorkflowTarget(chat, 28.0)),
         ProfileBook(points),
         Cluster.uniform(1, 3, 1, "a6000", GPU_MEMORY),
         granularity=2,
@@ -268,7 +274,10 @@ def test_excluded_configuration_is_avoided() -> None:
     problem = scaled_problem(3, 4, 10, seed=2)
     first = search(problem).workflows[0]
     m = first.models[0]
-    banned = ExcludedConfig(first.workflow, m.model, m.alloc.tp, m.alloc.replicas, m.alloc.share)
+    a = m.alloc
+    banned = ExcludedConfig(
+        first.workflow, m.model, a.tp, a.replicas, a.share, a.rest, a.rest_share
+    )
     again = search(replace(problem, exclude=frozenset({banned}))).workflows[0]
     assert again.allocation[m.model] != m.alloc
     assert again.latency_high >= first.latency_high - 1e-12
@@ -300,13 +309,24 @@ def test_search_and_place_gives_a_sound_placement() -> None:
 
 
 def _configs_of(layout: LineLayout, position: int, units: int) -> set[tuple[int, int, float]]:
+    """The run's single-share configurations (its mixed ones: :func:`_mixed_of`)."""
     rc = run_configs(layout, [position], [units])
-    out = [
-        (int(t), int(d), round(float(s), 6))
-        for t, d, s in zip(rc.tp, rc.replicas, rc.share, strict=True)
+    every = [
+        (int(t), int(d), round(float(s), 6), int(r), round(float(rs), 6))
+        for t, d, s, r, rs in zip(rc.tp, rc.replicas, rc.share, rc.rest, rc.rest_share, strict=True)
     ]
-    assert len(out) == len(set(out))  # each configuration listed once
-    return set(out)
+    assert len(every) == len(set(every))  # each configuration listed once
+    return {(t, d, s) for t, d, s, r, _ in every if not r}
+
+
+def _mixed_of(layout: LineLayout, position: int, units: int) -> set[tuple[int, int, float]]:
+    """(whole-GPU replicas, rest replicas, rest share) of the run's mixed configurations."""
+    rc = run_configs(layout, [position], [units])
+    return {
+        (int(d), int(r), round(float(rs), 6))
+        for d, r, rs in zip(rc.replicas, rc.rest, rc.rest_share, strict=True)
+        if r
+    }
 
 
 def test_configurations_fit_inside_the_pieces_of_their_run() -> None:
@@ -325,6 +345,14 @@ def test_configurations_fit_inside_the_pieces_of_their_run() -> None:
     uneven = _configs_of(layout, 0, 13)
     assert (1, 2, 0.3) in uneven and (1, 1, 1.0) in uneven
     assert not any(abs(s - 0.65) < 1e-9 for _, _, s in uneven)
+    # ... or one replica per piece: the whole GPU and one on its 3 units
+    assert _mixed_of(layout, 0, 13) == {(1, 1, 0.3)}
+    # 3.5 GPUs from unit 0: three whole GPUs and a half; from unit 5, two halves around two
+    assert _mixed_of(layout, 0, 35) == {(3, 1, 0.5)}
+    assert _mixed_of(layout, 5, 30) == {(2, 2, 0.5)}
+    # partial pieces of two sizes, or none, or no whole GPU: no mixed configuration
+    assert not _mixed_of(layout, 5, 32) and not _mixed_of(layout, 0, 20)
+    assert not _mixed_of(layout, 7, 6)
 
 
 def test_the_search_layout_places_every_demand_in_order() -> None:
@@ -411,7 +439,7 @@ def test_a_margin_is_relaxed_before_a_workflow_is_declared_infeasible() -> None:
 
     easy = search(at(0.6))
     assert easy.feasible and easy.relaxed == "" and same(easy, search_as_posed(at(0.6)))
-    cautious = at(0.8)
+    cautious = at(0.82)  # (mixed shares moved the margins: 0.8 is covered at the slow end)
     assert not search_as_posed(cautious).feasible
     got = search(cautious)
     assert got.feasible and got.relaxed == "point estimates"
@@ -428,3 +456,33 @@ def test_a_margin_is_relaxed_before_a_workflow_is_declared_infeasible() -> None:
     hopeless = at(1.2)
     got = search(hopeless)  # as posed: infeasible, not relaxed
     assert not got.feasible and got.relaxed == "" and same(got, search_as_posed(hopeless))
+
+
+def test_a_remainder_too_small_for_another_whole_gpu_becomes_a_smaller_replica() -> None:
+    # RAG on 4 GPUs: the generator needs more than 3 GPUs and less than 3.5 with its
+    # headroom, the encoder half a GPU; half a GPU serves the generator 4 calls/s of 10
+    book = ProfileBook(
+        queue("gen", 1.0, 10.0, 1.0)
+        + queue("gen", 0.5, 4.0, 1.5)
+        + queue("emb", 0.5, 400.0, 0.01)
+        + queue("emb", 1.0, 800.0, 0.01)
+    )
+    pipe = Pipeline("rag", (Stage("gen", 1.0, 1.0), Stage("emb", 1.0, 1.0)))
+    problem = SearchProblem(
+        (WorkflowTarget(pipe, 30.0),),
+        book,
+        Cluster.uniform(1, 4, 2, "a6000", GPU_MEMORY),
+        memory_floor_bytes={"emb": int(0.45 * GPU_MEMORY)},  # the encoder holds half a GPU
+        granularity=10,
+    )
+    got = search_and_place(problem)
+    w = got.result.workflows[0]
+    assert w.feasible  # 3 x 10 + 4 = 34 calls/s cover 30 x 1.1; seven halves (28) do not
+    assert w.allocation["gen"] == ModelAlloc(3, 1, 1.0, rest=1, rest_share=0.5)
+    assert got.placement is not None
+    shares = sorted(r.share for r in got.placement.replicas if r.demand.model == "gen")
+    assert shares == [0.5, 1.0, 1.0, 1.0]
+    check_placement(problem.cluster, line_placement(problem, got.result))
+    _rules_hold(problem, got.result)
+    # without fractions there is no remainder: three whole GPUs fall short
+    assert not search(replace(problem, allow_fraction=False)).feasible
