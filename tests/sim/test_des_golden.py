@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from sim.cluster import Allocation
-from sim.des import SimResult, WorkloadSpec, simulate, simulate_requests
+from sim.des import RequestSpan, SimResult, WorkloadSpec, simulate, simulate_requests
 from sim.dynamic import DynamicSimulation, run_dynamic
 from sim.hpa import Hpa, HpaSettings
 from sim.multiplex import simulate_pooled
@@ -55,20 +55,27 @@ def _figures(res: SimResult) -> dict[str, Any]:
     return out
 
 
+def _static(
+    alloc: Allocation, spec: WorkloadSpec, seconds: float, warmup_s: float, seed: int
+) -> tuple[SimResult, tuple[RequestSpan, ...]]:
+    """A recorded static run of ``seconds`` of arrivals, drained as long."""
+    return simulate_requests(
+        alloc,
+        [spec],
+        duration_s=seconds,
+        warmup_s=warmup_s,
+        drain_s=seconds,
+        seed=seed,
+        record_calls=True,
+    )
+
+
 def static_beam() -> dict[str, Any]:
     """Beam search on co-located half-GPU generators (contention) and whole-GPU verifiers."""
     alloc = Allocation.of(
         ("llama-3.2-1b", "a6000", 1, 0.5, 2), ("llama-3.1-8b-prm", "a6000", 1, 1.0, 2)
     )
-    res, spans = simulate_requests(
-        alloc,
-        [WorkloadSpec("beam", 1.5, BeamParams())],
-        duration_s=40.0,
-        warmup_s=8.0,
-        drain_s=40.0,
-        seed=3,
-        record_calls=True,
-    )
+    res, spans = _static(alloc, WorkloadSpec("beam", 1.5, BeamParams()), 40.0, 8.0, 3)
     return {"result": _figures(res), "spans": [list(vars(s).values()) for s in spans]}
 
 
@@ -80,15 +87,7 @@ def static_rag() -> dict[str, Any]:
         ("llama-3-8b", "a6000", 2, 1.0, 1),
         ("llama-3-8b", "a6000", 1, 0.5, 2),
     )
-    res = simulate(
-        alloc,
-        [WorkloadSpec("rag", 12.0, RagParams())],
-        duration_s=20.0,
-        warmup_s=2.0,
-        drain_s=20.0,
-        seed=5,
-        record_calls=True,
-    )
+    res, _ = _static(alloc, WorkloadSpec("rag", 12.0, RagParams()), 20.0, 2.0, 5)
     return {"result": _figures(res)}
 
 
