@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from optimizer.model.alp import Overlap, Pipeline, Stage, predict_many
+from optimizer.model.alp import Overlap, Pipeline, Stage
+from optimizer.model.batch import predict_many
 from optimizer.model.curves import ProfileBook
 from shared.profile_points import ProfilePoint
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from optimizer.model.alp import predict_many
+from optimizer.model.batch import predict_many
 from optimizer.search.reference import ReferenceResult, ReferenceTimeout, solve
 from optimizer.search.solve import SearchResult, search
 from optimizer.search.space import SearchProblem

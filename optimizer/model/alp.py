@@ -48,8 +48,8 @@ are the point estimates.
 
 Invariants: pure functions over frozen dataclasses, no I/O. A rate at or beyond any stage's
 capacity gives latency ``inf``. Stages whose profile was scaled from another GPU share are
-flagged (``scaled_from``). :func:`predict_many` evaluates a batch of allocations with numpy
-(100 000 in well under a second), grouping candidates by each model's (TP, share) profile.
+flagged (``scaled_from``). :func:`optimizer.model.batch.predict_many` evaluates a batch of
+allocations with numpy, by the same equations.
 What was tried before these rules, and by how much it missed: bench/results/alp_history.md.
 """
 
@@ -251,77 +251,6 @@ class Prediction:
         return self.rate < self.throughput
 
 
-@dataclass(frozen=True)
-class _Group:
-    """One group of identical replicas for some rows of a batch: the profile of each row
-    (rows sharing a (TP, share) share one lookup) and its pessimistic curve."""
-
-    rows: IntArray  # the batch's rows this group is for
-    profiles: tuple[Profile, ...]
-    inverse: IntArray  # per row, its index into ``profiles``
-
-    @classmethod
-    def of(
-        cls,
-        book: ProfileBook,
-        model: str,
-        rows: IntArray,
-        tp: npt.ArrayLike,
-        share: npt.ArrayLike,
-        replicas: npt.ArrayLike,
-    ) -> _Group:
-        t = np.asarray(tp, dtype=np.float64)
-        # Shares are compared after rounding so float noise does not split a group.
-        s_key = np.round(np.asarray(share, dtype=np.float64), 6)
-        if not len(rows):
-            return cls(rows, (), np.zeros(0, dtype=np.int64))
-        pairs, inverse = np.unique(np.stack([t, s_key], axis=1), axis=0, return_inverse=True)
-        profiles = tuple(book.lookup(model, int(a), float(b)) for a, b in pairs)
-        return cls(rows, profiles, inverse.reshape(-1).astype(np.int64))
-
-    def saturation(self, fast: bool) -> FloatArray:
-        per = [
-            p.saturation if fast else p.saturation / (1.0 + p.uncertainty) for p in self.profiles
-        ]
-        return np.asarray(np.array(per, dtype=np.float64)[self.inverse], dtype=np.float64)
-
-    @property
-    def scaled(self) -> npt.NDArray[np.bool_]:
-        return np.array([p.scaled_from is not None for p in self.profiles], dtype=bool)[
-            self.inverse
-        ]
-
-    @property
-    def uncertainty(self) -> FloatArray:
-        return np.asarray(
-            np.array([p.uncertainty for p in self.profiles], dtype=np.float64)[self.inverse],
-            dtype=np.float64,
-        )
-
-    def latency(
-        self,
-        fast: bool,
-        call_rate: FloatArray,
-        pool: FloatArray,
-        stat: Stat,
-        pooling: bool,
-        n: float,
-        subset: IntArray | None = None,
-    ) -> FloatArray:
-        """Per row (of ``subset``, positions in ``self.rows``; default every row), the call
-        latency at ``call_rate`` per replica, on the profile (``fast``) or its pessimistic
-        curve (a profile without uncertainty is its own: no second curve)."""
-        which = self.inverse if subset is None else self.inverse[subset]
-        out = np.empty(len(which))
-        for g, prof in enumerate(self.profiles):
-            at = np.flatnonzero(which == g)
-            if not at.size:
-                continue
-            curve = prof if fast or not prof.uncertainty else prof.pessimistic()
-            out[at] = _stage_latency(curve, call_rate[at], pool[at], stat, pooling, n)
-        return out
-
-
 def pooling_factor(rho: npt.ArrayLike, replicas: npt.ArrayLike) -> FloatArray:
     """Waiting time of ``d`` pooled servers relative to one server, both at utilisation
     ``rho`` (Sakasegawa: ``Lq(M/M/c) ≈ rho^sqrt(2(c+1)) / (1-rho)``); exactly 1 for ``d = 1``."""
@@ -330,7 +259,7 @@ def pooling_factor(rho: npt.ArrayLike, replicas: npt.ArrayLike) -> FloatArray:
     return np.asarray(r ** (np.sqrt(2.0 * (d + 1.0)) - 2.0) / d, dtype=np.float64)
 
 
-def _stage_latency(
+def stage_latency(
     prof: Profile,
     call_rate: npt.ArrayLike,
     replicas: npt.ArrayLike,
@@ -374,7 +303,7 @@ def _mixed(
     pool = float(counts.sum())
     lat = np.array(
         [
-            float(_stage_latency(p, r, pool, stat, pooling, st.n))
+            float(stage_latency(p, r, pool, stat, pooling, st.n))
             for p, r in zip(profs, per_replica, strict=True)
         ]
     )
@@ -454,113 +383,4 @@ def predict(
         stat=stat,
         capacity_low=capacity_low,
         latency_high=latency_high if math.isfinite(latency_high) else math.inf,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPrediction:
-    """Predictions for C candidate allocations over the pipeline's M stages (stage order)."""
-
-    latency: FloatArray  # (C,)
-    throughput: FloatArray  # (C,)
-    bottleneck: IntArray  # (C,) index into pipeline.stages
-    contribution: FloatArray  # (C, M)
-    scaled: npt.NDArray[np.bool_]  # (C, M): the stage's profile was scaled from another share
-    uncertainty: FloatArray  # (C, M): the stage's profile's relative uncertainty u_m
-    throughput_low: FloatArray  # (C,) capacity_low: every stage at its slow end
-    latency_high: FloatArray  # (C,) latency with every stage at its slow end
-    contribution_high: FloatArray  # (C, M) contributions on the pessimistic curves
-
-
-def predict_many(
-    pipeline: Pipeline,
-    book: ProfileBook,
-    rate: float,
-    replicas: npt.ArrayLike,
-    tp: npt.ArrayLike,
-    share: npt.ArrayLike,
-    stat: Stat = "mean",
-    pooling: bool = True,
-    rest: npt.ArrayLike | None = None,
-    rest_share: npt.ArrayLike | None = None,
-) -> BatchPrediction:
-    """Vectorised :func:`predict`: ``replicas``, ``tp``, ``share`` (and ``rest``,
-    ``rest_share``: the TP-1 rest group of :class:`ModelAlloc`, 0 where none) are (C, M)
-    arrays, column ``j`` for ``pipeline.stages[j]``."""
-    d = np.asarray(replicas, dtype=np.float64)
-    t = np.asarray(tp, dtype=np.int64)
-    s = np.asarray(share, dtype=np.float64)
-    r = np.zeros_like(d) if rest is None else np.asarray(rest, dtype=np.float64)
-    rs = np.zeros_like(d) if rest_share is None else np.asarray(rest_share, dtype=np.float64)
-    if (
-        d.ndim != 2
-        or d.shape[1] != len(pipeline.stages)
-        or t.shape != d.shape
-        or s.shape != d.shape
-        or r.shape != d.shape
-        or rs.shape != d.shape
-    ):
-        raise ValueError(f"allocations must be (C, {len(pipeline.stages)}) arrays")
-    n_cand, n_stage = d.shape
-    contribution = np.empty((n_cand, n_stage))
-    capacity = np.empty((n_cand, n_stage))
-    scaled = np.zeros((n_cand, n_stage), dtype=bool)
-    u = np.zeros((n_cand, n_stage))
-    contribution_high = np.empty((n_cand, n_stage))
-    capacity_low = np.empty((n_cand, n_stage))
-    everyone = np.arange(n_cand)
-    for j, st in enumerate(pipeline.stages):
-        main = _Group.of(book, st.model, everyone, t[:, j], s[:, j], d[:, j])
-        mixed = np.flatnonzero(r[:, j] > 0)
-        extra = _Group.of(
-            book, st.model, mixed, np.ones(len(mixed), np.int64), rs[mixed, j], r[mixed, j]
-        )
-        pool = d[:, j] + r[:, j]
-        calls = rate * st.n
-        for fast in (True, False):
-            sat = main.saturation(fast)
-            total = d[:, j] * sat
-            sat_rest = extra.saturation(fast)
-            total[mixed] += r[mixed, j] * sat_rest
-            lat = main.latency(fast, calls / d[:, j], pool, stat, pooling, st.n)
-            if mixed.size:
-                lat_main = main.latency(
-                    fast, calls * sat[mixed] / total[mixed], pool[mixed], stat, pooling, st.n, mixed
-                )
-                lat_rest = extra.latency(
-                    fast, calls * sat_rest / total[mixed], pool[mixed], stat, pooling, st.n
-                )
-                with np.errstate(invalid="ignore"):
-                    lat[mixed] = (
-                        d[mixed, j] * sat[mixed] * lat_main + r[mixed, j] * sat_rest * lat_rest
-                    ) / total[mixed]
-                lat[mixed] = np.where(
-                    np.isfinite(lat_main) & np.isfinite(lat_rest), lat[mixed], np.inf
-                )
-            cap = total / st.n if st.n > 0 else np.full(n_cand, np.inf)
-            if fast:
-                contribution[:, j], capacity[:, j] = lat * st.n / st.p, cap
-            else:
-                contribution_high[:, j], capacity_low[:, j] = lat * st.n / st.p, cap
-        scaled[:, j] = main.scaled
-        u[:, j] = main.uncertainty
-        scaled[mixed, j] |= extra.scaled
-        u[mixed, j] = np.maximum(u[mixed, j], extra.uncertainty)
-    neck = np.argmin(capacity, axis=1)
-    throughput = capacity[np.arange(n_cand), neck]
-    latency = critical_path(pipeline, contribution) + pipeline.tool_time
-    latency = np.where(rate >= throughput, np.inf, latency)
-    throughput_low = capacity_low.min(axis=1, initial=np.inf)
-    latency_high = critical_path(pipeline, contribution_high) + pipeline.tool_time
-    latency_high = np.where(rate >= throughput_low, np.inf, latency_high)
-    return BatchPrediction(
-        latency=latency,
-        throughput=throughput,
-        bottleneck=neck,
-        contribution=contribution,
-        scaled=scaled,
-        uncertainty=u,
-        throughput_low=throughput_low,
-        latency_high=latency_high,
-        contribution_high=contribution_high,
     )

@@ -6,7 +6,7 @@ everything else is brute force: every units vector ``u >= 1`` with ``Σ u <= bud
 the same order, every configuration of every LLM's run on the GPU line
 (:func:`optimizer.search.space.run_configs`), the full cartesian product across LLMs, the rules
 applied to each row, and every
-remaining row predicted with the *whole-pipeline* :func:`optimizer.model.alp.predict_many` (so the
+remaining row predicted with the *whole-pipeline* :func:`optimizer.model.batch.predict_many` (so the
 search's per-LLM decomposition is checked too). Same selection, at the slow end of each
 prediction's uncertainty as the search ranks (``latency_high``, ``throughput_low``; the point
 estimates where the problem is not ``cautious``): the lowest
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optimizer.model import alp
 from optimizer.model.alp import ModelAlloc
+from optimizer.model.batch import BatchPrediction, predict_many
 from optimizer.search.space import (
     FEASIBLE_RTOL,
     FloatArray,
@@ -159,8 +159,8 @@ def solve(
     if len(reps) == 0:
         return ReferenceResult(False, 0.0, math.inf, 0.0, {}, 0, time.perf_counter() - t0)
 
-    def run(rate: float) -> alp.BatchPrediction:
-        return alp.predict_many(
+    def run(rate: float) -> BatchPrediction:
+        return predict_many(
             pipe,
             problem.book,
             rate,
@@ -206,12 +206,12 @@ def solve(
     )
 
 
-def _low(problem: SearchProblem, pred: alp.BatchPrediction) -> FloatArray:
+def _low(problem: SearchProblem, pred: BatchPrediction) -> FloatArray:
     """The capacities a candidate must cover the goal with: the slow end, unless relaxed."""
     return pred.throughput_low if problem.cautious else pred.throughput
 
 
-def _high(problem: SearchProblem, pred: alp.BatchPrediction) -> FloatArray:
+def _high(problem: SearchProblem, pred: BatchPrediction) -> FloatArray:
     """The latencies candidates rank by: the slow end, unless relaxed."""
     return pred.latency_high if problem.cautious else pred.latency
 

@@ -17,7 +17,7 @@ How, and why it is exact: the ALP's latency is a sum of per-LLM contributions an
 throughput the minimum of per-LLM capacities, so a layout's best configuration is the best
 configuration of each LLM for the offset and units it has. Per LLM, every (offset, units) is
 resolved into its (TP, replicas) configurations, the rules prune them (memory floor, share,
-NVLink domain, ablation flags), one :func:`optimizer.model.alp.predict_many` call per LLM predicts
+NVLink domain, ablation flags), one :func:`optimizer.model.batch.predict_many` call per LLM predicts
 the rest, and each (offset, units) keeps its best; an exact dynamic programme over the packing
 order (:func:`optimizer.search.space.chain`) then combines the LLMs, covering every layout the
 paper's enumeration would, without enumerating them one by one. The paper's extra latency-ratio
@@ -55,6 +55,7 @@ import numpy as np
 
 from optimizer.model import alp
 from optimizer.model.alp import ModelAlloc, Pipeline, Stage
+from optimizer.model.batch import predict_many
 from optimizer.placement import (
     PlacedReplica,
     Placement,
@@ -192,7 +193,7 @@ def _tables(
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     single = Pipeline(workflow, (c.stage,))
-    pred = alp.predict_many(
+    pred = predict_many(
         single,
         problem.book,
         rate,

@@ -20,8 +20,8 @@ from optimizer.model.alp import (
     critical_path,
     pooling_factor,
     predict,
-    predict_many,
 )
+from optimizer.model.batch import predict_many
 from optimizer.model.curves import ProfileBook
 from optimizer.model.shares import DEFAULT_BETA, K_DEFAULT
 from optimizer.stats.reader import summarise_store

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from optimizer.control.proposal import running_allocation
-from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
+from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict
+from optimizer.model.batch import predict_many
 from optimizer.model.curves import ProfileBook
 from optimizer.plan.observed import Observed, RunningReplica
 from tests.optimizer.model.test_shares import queue

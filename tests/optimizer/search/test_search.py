@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict, predict_many
+from optimizer.model.alp import ModelAlloc, Pipeline, Stage, predict
+from optimizer.model.batch import predict_many
 from optimizer.model.curves import ProfileBook
 from optimizer.placement import check_placement
 from optimizer.search.reference import solve, solve_split
