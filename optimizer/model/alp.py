@@ -267,6 +267,8 @@ def stage_latency(
     pooling: bool,
     calls_per_request: float,
 ) -> FloatArray:
+    """A stage's call latency at ``call_rate`` calls/s per replica on ``prof``, less the
+    pooling gain of ``replicas`` replicas behind the router (module docstring)."""
     lat = prof.latency(call_rate, stat)
     if not pooling:
         return lat
