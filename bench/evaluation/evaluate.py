@@ -396,11 +396,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # The dynamic scenario's two long runs go to the pool first and the points fill the
         # workers around them (run after the points, one worker idled while the longer ran).
+        saved = args.out / DYNAMIC_FILE
         with ThreadPoolExecutor(1) as side:
             pending = (
                 None
                 if args.no_dynamic
-                else side.submit(scenario, k, pool, DYNAMIC_GPUS, args.quick)
+                else side.submit(_saved_scenario, k, pool, args.quick, saved, args.resume)
             )
             points, skipped = _run_points(pool, jobs, args.workers, log=partial, prior=prior)
             phase("points_and_dynamic" if pending else "points")
@@ -472,6 +473,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+DYNAMIC_FILE = "dynamic.json"  # the dynamic scenario, written as soon as it finished
+
+
+def _saved_scenario(
+    k: Knowledge, pool: Executor, quick: bool, path: Path, resume: bool
+) -> dict[str, Any]:
+    """The dynamic scenario, written to ``path`` when it finishes (an interrupted run keeps
+    it; ``--report-only`` shows it), or with ``resume`` read from ``path`` when it is there."""
+    if resume and path.exists():
+        got: dict[str, Any] = orjson.loads(path.read_bytes())
+        return got
+    dynamic = scenario(k, pool, DYNAMIC_GPUS, quick)
+    path.write_bytes(orjson.dumps(dynamic, option=orjson.OPT_SERIALIZE_NUMPY))
+    return dynamic
+
+
 def _read_points(path: Path) -> list[dict[str, Any]]:
     """The points a run logged as it went (JSON lines)."""
     pts = [orjson.loads(line) for line in path.read_bytes().splitlines()]
@@ -488,13 +505,16 @@ def _rerender(out: Path) -> int:
         run = orjson.loads((out / "run_meta.json").read_bytes())
         pts = _read_points(out / "points.jsonl")
         run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
+        saved = out / DYNAMIC_FILE
+        dynamic = orjson.loads(saved.read_bytes()) if saved.exists() else None
         doc: dict[str, Any] = {
             "label": "simulated",
             "partial": True,
             "points": pts,
-            "dynamic": None,
+            "dynamic": dynamic,
             "sweeps": run.pop("sweeps"),
-            "plots": plot_curves(pts, out),
+            "plots": plot_curves(pts, out)
+            + ([plot_dynamic(dynamic, out)] if dynamic is not None else []),
             "wall_s": 0.0,
             "meta": {**run, "wall_s": 0.0},
         }  # unknown: interrupted

@@ -402,3 +402,12 @@ def test_the_dynamic_report_checks_each_step_against_twice_the_prediction() -> N
     assert rows[0] == "| 0-480 | 0 | 1.4 / 1.4 | 1 |"
     assert rows[1] == "| 480-960 | 753 | 50.6 / 2.3 | 22 **over 2x**, 7 unfinished |"
     assert rows[2] == "| 960-1440 | 1355 | 1.3 / - | - |"
+
+
+@pytest.mark.timeout(10)
+def test_a_resumed_run_reads_the_dynamic_scenario_it_saved(tmp_path: Path) -> None:
+    saved = tmp_path / evaluate.DYNAMIC_FILE
+    saved.write_bytes(orjson.dumps({"label": "simulated", "gpus": 8, "systems": {}}))
+    # no knowledge and no pool: a saved scenario is read, never run again
+    got = evaluate._saved_scenario(None, None, False, saved, True)  # type: ignore[arg-type]
+    assert got == {"label": "simulated", "gpus": 8, "systems": {}}
