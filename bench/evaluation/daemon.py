@@ -72,6 +72,7 @@ from optimizer.plan.planner import Plan
 from optimizer.plan.target import GroupSpec, target_from_placement
 from optimizer.search.solve import search_and_place
 from shared.cluster import GB, Cluster, cluster_from_settings, settings_mapping
+from shared.optimizer_settings import OptimizerSettings
 from shared.settings import Settings, StoreSettings, settings_from_mapping
 from shared.store import SegmentWriter
 from sim.cluster import Allocation, Replica
@@ -457,6 +458,15 @@ def _run(
     }
 
 
+def _controller(o: OptimizerSettings) -> str:
+    return (
+        "optimizer.control.step.step (the daemon's pass) with default OptimizerSettings "
+        f"(interval {o.interval_s:g} s, window {o.window_s:g} s, {o.windows_to_confirm} "
+        f"windows to confirm a shift, {o.overload_windows_to_confirm} an overload or 1 when "
+        f"the live window shows it too, cooldown {o.cooldown_s:g} s)"
+    )
+
+
 def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, Any]:
     beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
     top = capacity_beside(k, "rag", {"beam": beam_rate}, gpus)
@@ -472,7 +482,6 @@ def scenario(k: Knowledge, pool: Executor, gpus: int, quick: bool) -> dict[str, 
         "steps": steps,
         "step_s": step_s,
         "duration_s": duration,
-        "controller": "optimizer.control.step.step (the daemon's pass) with default "
-        "OptimizerSettings (interval 60 s, window 120 s, 3 windows to confirm, cooldown 300 s)",
+        "controller": _controller(OptimizerSettings()),
         "systems": dict(zip(systems, runs, strict=True)),
     }
