@@ -295,6 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sizes", type=int, nargs="*", help="cluster sizes (default 4 8 16)")
     ap.add_argument("--workflows", nargs="*", choices=WORKFLOWS, default=list(WORKFLOWS))
+    ap.add_argument(
+        "--systems",
+        nargs="*",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="systems to run (default: all; a subset gives a partial comparison)",
+    )
     ap.add_argument("--rates", type=float, nargs="*", help="fractions of Scepsy's capacity")
     ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic scenario")
     ap.add_argument(
@@ -378,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweeps: dict[str, Any] = {}
         for gpus in sizes:
             for kind in args.workflows:
-                js, info = _jobs(k, gpus, kind, fractions, lengths, SYSTEMS)
+                js, info = _jobs(k, gpus, kind, fractions, lengths, args.systems)
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
