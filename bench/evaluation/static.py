@@ -8,6 +8,8 @@ Role: allocations for ``bench.evaluation.evaluate``'s "independent" and "even" s
   GPU units are split in proportion to demand (at least the model's memory floor, largest
   remainders), each model's units become whole-GPU TP-1 replicas plus one fractional replica
   for the remainder. No TP, no latency view: it balances utilisation, not request latency.
+  Where those remainders fragment the GPUs so that the split does not place, every model
+  goes on whole GPUs instead (the placement retry Scepsy's search gets too).
 - even (a user's hand configuration; Ayo's allocation too): the GPUs are split equally between workflows, and inside
   a workflow equally between its models as whole GPUs (the remainder to the largest models);
   with fewer GPUs than models, the largest models get a GPU each and the smaller ones share
@@ -56,7 +58,35 @@ def _rows(units: Mapping[str, int]) -> list[Row]:
 
 
 def independent(k: Knowledge, rates: Mapping[str, float], gpus: int) -> Allocation:
-    """``rates``: workflow kind ("beam", "rag") -> requests/s."""
+    """``rates``: workflow kind ("beam", "rag") -> requests/s. Where the proportional split's
+    fractional replicas do not place (its remainders fragment the GPUs), the placement retry
+    a user of per-LLM sizing makes: every model on whole GPUs, by largest remainders."""
+    units = _units(k, rates, gpus)
+    first = specs_of(_rows(units))
+    whole = _whole(units, gpus)
+    if whole is None or placeable(first, gpus)[0]:
+        return first
+    return specs_of(_rows(whole))
+
+
+def _whole(units: Mapping[str, int], gpus: int) -> dict[str, int] | None:
+    """``units`` rounded to whole GPUs (at least one per model, the rest by largest
+    remainders), or None with fewer GPUs than models."""
+    if len(units) > gpus:
+        return None
+    exact = {m: u / GRANULARITY for m, u in units.items()}
+    got = {m: max(1, math.floor(v)) for m, v in exact.items()}
+    spare = gpus - sum(got.values())
+    for m in sorted(exact, key=lambda m: got[m] - exact[m])[: max(spare, 0)]:
+        got[m] += 1
+    while sum(got.values()) > gpus:  # the at-least-one rule overshot: take from the largest
+        got[max(got, key=lambda m: got[m])] -= 1
+    return {m: g * GRANULARITY for m, g in got.items()}
+
+
+def _units(k: Knowledge, rates: Mapping[str, float], gpus: int) -> dict[str, int]:
+    """GPU units per model in proportion to its demand over its whole-GPU capacity (at
+    least its memory floor; largest remainders)."""
     demand: dict[str, float] = {}
     for w, rate in rates.items():
         pipe = k.pipelines[w]
@@ -74,7 +104,7 @@ def independent(k: Knowledge, rates: Mapping[str, float], gpus: int) -> Allocati
     units = {m: math.floor(v) for m, v in exact.items()}
     for m in sorted(demand, key=lambda m: units[m] - exact[m])[: total - sum(units.values())]:
         units[m] += 1
-    return specs_of(_rows(units))
+    return units
 
 
 def even(kinds: tuple[str, ...], gpus: int) -> Allocation:

@@ -8,6 +8,7 @@ import pytest
 
 from bench.evaluation.runs import PointJob, _longer, _windows, run_point
 from bench.evaluation.setup import QUICK
+from bench.evaluation.static import _whole
 from sim.cluster import Allocation, ReplicaSpec
 
 LATENCIES = (QUICK.warmup_latencies, QUICK.min_window_latencies)
@@ -68,3 +69,12 @@ def test_a_filling_pipeline_read_as_overload_is_sustained_when_run_long_enough()
     # past capacity the stretched run still falls behind
     over = run_point(PointJob("even", "beam", 4, 3.4, 0.0, alloc, QUICK, 12.0, 0, {}))
     assert over["stretched_from"] and not over["sustained"]
+
+
+@pytest.mark.timeout(10)
+def test_independent_sizing_retries_on_whole_gpus_by_largest_remainders() -> None:
+    # 9.3 and 6.7 GPUs of 16: the fractional split (10 x 0.93 and 6 + 0.7) fragments the
+    # GPUs; on whole GPUs the larger remainder gets the spare one
+    assert _whole({"8b": 93, "1b": 67}, 16) == {"8b": 90, "1b": 70}
+    assert _whole({"a": 2, "b": 3, "c": 35}, 4) == {"a": 10, "b": 10, "c": 20}
+    assert _whole({"a": 10, "b": 10, "c": 20}, 2) is None  # fewer GPUs than models
