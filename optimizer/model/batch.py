@@ -43,7 +43,6 @@ class _Group:
     """One group of identical replicas for some rows of a batch: the profile of each row
     (rows sharing a (TP, share) share one lookup) and its pessimistic curve."""
 
-    rows: IntArray  # the batch's rows this group is for
     profiles: tuple[Profile, ...]
     inverse: IntArray  # per row, its index into ``profiles``
 
@@ -52,25 +51,28 @@ class _Group:
         cls,
         book: ProfileBook,
         model: str,
-        rows: IntArray,
         tp: npt.ArrayLike,
         share: npt.ArrayLike,
-        replicas: npt.ArrayLike,
     ) -> _Group:
         t = np.asarray(tp, dtype=np.float64)
         # Shares are compared after rounding so float noise does not split a group.
         s_key = np.round(np.asarray(share, dtype=np.float64), 6)
-        if not len(rows):
-            return cls(rows, (), np.zeros(0, dtype=np.int64))
+        if not len(t):
+            return cls((), np.zeros(0, dtype=np.int64))
         pairs, inverse = np.unique(np.stack([t, s_key], axis=1), axis=0, return_inverse=True)
         profiles = tuple(book.lookup(model, int(a), float(b)) for a, b in pairs)
-        return cls(rows, profiles, inverse.reshape(-1).astype(np.int64))
+        return cls(profiles, inverse.reshape(-1).astype(np.int64))
 
     def saturation(self, fast: bool) -> FloatArray:
         per = [
             p.saturation if fast else p.saturation / (1.0 + p.uncertainty) for p in self.profiles
         ]
         return np.asarray(np.array(per, dtype=np.float64)[self.inverse], dtype=np.float64)
+
+    @property
+    def certain(self) -> bool:
+        """No profile has an uncertainty: its pessimistic curve is itself."""
+        return not any(p.uncertainty for p in self.profiles)
 
     @property
     def scaled(self) -> npt.NDArray[np.bool_]:
@@ -95,7 +97,7 @@ class _Group:
         n: float,
         subset: IntArray | None = None,
     ) -> FloatArray:
-        """Per row (of ``subset``, positions in ``self.rows``; default every row), the call
+        """Per row (of ``subset``, positions among the group's rows; default every row), the call
         latency at ``call_rate`` per replica, on the profile (``fast``) or its pessimistic
         curve (a profile without uncertainty is its own: no second curve)."""
         which = self.inverse if subset is None else self.inverse[subset]
@@ -145,16 +147,14 @@ def predict_many(
     u = np.zeros((n_cand, n_stage))
     contribution_high = np.empty((n_cand, n_stage))
     capacity_low = np.empty((n_cand, n_stage))
-    everyone = np.arange(n_cand)
     for j, st in enumerate(pipeline.stages):
-        main = _Group.of(book, st.model, everyone, t[:, j], s[:, j], d[:, j])
+        main = _Group.of(book, st.model, t[:, j], s[:, j])
         mixed = np.flatnonzero(r[:, j] > 0)
-        extra = _Group.of(
-            book, st.model, mixed, np.ones(len(mixed), np.int64), rs[mixed, j], r[mixed, j]
-        )
+        extra = _Group.of(book, st.model, np.ones(len(mixed), np.int64), rs[mixed, j])
         pool = d[:, j] + r[:, j]
         calls = rate * st.n
-        for fast in (True, False):
+        # the slow end equals the estimate where no profile has an uncertainty: not twice
+        for fast in (True,) if main.certain and extra.certain else (True, False):
             sat = main.saturation(fast)
             total = d[:, j] * sat
             sat_rest = extra.saturation(fast)
@@ -177,8 +177,7 @@ def predict_many(
             cap = total / st.n if st.n > 0 else np.full(n_cand, np.inf)
             if fast:
                 contribution[:, j], capacity[:, j] = lat * st.n / st.p, cap
-            else:
-                contribution_high[:, j], capacity_low[:, j] = lat * st.n / st.p, cap
+            contribution_high[:, j], capacity_low[:, j] = lat * st.n / st.p, cap
         scaled[:, j] = main.scaled
         u[:, j] = main.uncertainty
         scaled[mixed, j] |= extra.scaled
