@@ -313,7 +313,7 @@ def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
     pred = k.predict(alloc, job.rate)
     n = job.case.eval_requests * 2
     warmup = max(k.settle_s, 0.1 * n / max(job.rate, 1e-9))
-    return pick_sets.stage_check(job.case, alloc, pred, n, warmup, job.seed)
+    return pick_sets.stage_check(job.case, k.pipe, alloc, pred, n, warmup, job.seed)
 
 
 def _point_docs(

@@ -168,12 +168,20 @@ def provenance(book: ProfileBook, alloc: Alloc) -> dict[str, dict[str, Any]]:
 
 
 def stage_check(
-    case: Case, alloc: Alloc, pred: Prediction, requests: int, warmup_s: float, seed: int
+    case: Case,
+    pipe: Pipeline,
+    alloc: Alloc,
+    pred: Prediction,
+    requests: int,
+    warmup_s: float,
+    seed: int,
 ) -> dict[str, dict[str, float]]:
     """One simulated run at ``pred.rate`` recording calls: per model, the mean latency of the
     calls of requests that arrived after ``warmup_s`` against the prediction's call latency
     (the curve at the per-replica call rate, pooled), and the calls per second per replica
-    it saw against the prediction's."""
+    (over every replica of the model, a mixed allocation's rest group included) it saw
+    against the traced calls per request at ``pred.rate``."""
+    calls_per_request = {st.model: st.n for st in pipe.stages}
     spec = [WorkloadSpec(case.workflow, pred.rate, case.params)]  # type: ignore[arg-type]
     res = simulate(
         sim_allocation(case, alloc),
@@ -186,16 +194,15 @@ def stage_check(
     lo, hi = res.window_s
     out: dict[str, dict[str, float]] = {}
     for st in pred.stages:
+        replicas = max(ModelAlloc(*alloc[st.model]).count, 1)
         mine = [c for c in res.calls if c.call.model == st.model and lo <= c.t_start < hi]
         sim_lat = float(np.mean([c.t_end - c.t_start for c in mine])) if mine else float("nan")
         out[st.model] = {
             "predicted_call_latency": st.call_latency,
             "simulated_call_latency": sim_lat,
             "error": (st.call_latency - sim_lat) / sim_lat if sim_lat > 0 else float("nan"),
-            "predicted_calls_per_s_per_replica": st.call_rate,
-            "simulated_calls_per_s_per_replica": len(mine)
-            / max(hi - lo, 1e-9)
-            / max(alloc[st.model][0], 1),
+            "predicted_calls_per_s_per_replica": pred.rate * calls_per_request[st.model] / replicas,
+            "simulated_calls_per_s_per_replica": len(mine) / max(hi - lo, 1e-9) / replicas,
             "predicted_utilisation": st.utilisation,
         }
     return out

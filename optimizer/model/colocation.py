@@ -23,15 +23,19 @@ each runs that many times slower than alone. A placed replica's expected content
 ``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its GPUs under
 tensor parallelism). The packed end stands for contention ``C_ref``: for a measured packed
 share its own (``q (1 + (k - 1) b)``, the copies as busy as itself), for a derived one the
-ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (clipped to
-``[0, 1]``) makes the blend's capacity, geometric in ``w``, the alone capacity over ``C``: a
-placement that reproduces the packed profile reads exactly it (1), idle neighbours the alone
-curve (0), and more contention than the packed end's is not extrapolated (1). The two curves
+ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (at least 0) makes the
+blend's capacity, geometric in ``w``, the alone capacity over ``C``: a placement that
+reproduces the packed profile reads exactly it (1), idle neighbours the alone curve (0). More
+contention than the packed end's (``C > max(C_ref, 1)``: a neighbour of another model that
+draws more of the GPU than the copies the share was measured next to) reads as the packed
+curve run ``C / max(C_ref, 1)`` times slower, as the simulator's co-located clients do while
+their summed demand exceeds the GPU; its weight is ``1 + ln(C / max(C_ref, 1))``. The two curves
 are blended at equal utilisation (:func:`optimizer.model.shares.blend`), so the blend is
 non-decreasing in ``λ`` and ends exactly at both measured curves.
 
-Invariants: pure functions of frozen data; a weight is in ``[0, 1]``; a placement that
-reproduces a packed profile gets weight 1, a replica alone on its GPUs 0.
+Invariants: pure functions of frozen data; a weight is at least 0 (above 1 only past the
+packed end's contention); a placement that reproduces a packed profile gets weight 1, a
+replica alone on its GPUs 0.
 """
 
 from __future__ import annotations
@@ -96,8 +100,13 @@ def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
 def weight(demand: float, load: float, reference: float) -> float:
     """The packed curve's weight of a replica drawing ``demand`` beside neighbours drawing
     ``load`` (busy-weighted) when its packed end stands for contention ``reference``: so that
-    the blend's capacity is its alone capacity over the contention ``demand + load``."""
+    the blend's capacity is its alone capacity over the contention ``demand + load``. Beyond
+    the packed end's contention the weight exceeds 1 by the log of the excess
+    (:data:`optimizer.model.curves.ProfileBook.lookup` slows the packed curve by it)."""
     c = demand + load
+    beyond = max(c, 1.0) / max(reference, 1.0)
+    if beyond > 1.0 + 1e-9:
+        return 1.0 + math.log(beyond)
     if reference > 1.0 + 1e-9:
         return min(1.0, math.log(max(c, 1.0)) / math.log(reference))
     if reference > demand:
@@ -119,7 +128,7 @@ def weights(
     def of(r: Placed) -> Ends:
         return model_ends.get(r.model) or Ends(r.share)
 
-    per_model: dict[str, list[float]] = {}
+    per_model: dict[str, list[tuple[bool, float]]] = {}
     for i, r in enumerate(placed):
         load = max(
             (
@@ -139,8 +148,17 @@ def weights(
             if e.copies > 1
             else e.contended
         )
-        per_model.setdefault(r.model, []).append(weight(e.demand, load, reference))
-    return {m: sum(ws) / len(ws) for m, ws in per_model.items()}
+        w = weight(e.demand, load, reference)
+        # a whole GPU has one curve (its weight is moot): a mixed allocation's weight is its
+        # fractional rest group's, not diluted by its whole replicas
+        per_model.setdefault(r.model, []).append((r.share >= 1.0, w))
+    return {m: _mean_fractional(ws) for m, ws in per_model.items()}
+
+
+def _mean_fractional(ws: Sequence[tuple[bool, float]]) -> float:
+    """The mean weight over a model's fractional replicas (over all of them if none is)."""
+    picked = [w for whole, w in ws if not whole] or [w for _, w in ws]
+    return sum(picked) / len(picked)
 
 
 def settle(
@@ -154,7 +172,8 @@ def settle(
     current weights give busy probabilities, those give new weights; from all-packed (1),
     :data:`SETTLE_ROUNDS` rounds. A model with no curve counts as idle."""
     together = parallel or {}
-    configs = {r.model: (r.tp, r.share) for r in placed}
+    # per model its fractional replicas' (tp, share) where it has any: only those share a GPU
+    configs = {r.model: (r.tp, r.share) for r in sorted(placed, key=lambda r: -r.share)}
     model_ends: dict[str, Ends] = {}
     for model, (tp, share) in configs.items():
         try:

@@ -306,15 +306,20 @@ class ProfileBook:
         ``busy``: the packed curve's weight for a placed replica
         (:mod:`optimizer.model.colocation`); where the book has alone curves, the
         replayed (or derived) alone and packed curves are blended by it before the live
-        correction. ``None``: the packed curve, as where the book has no alone curves."""
+        correction, and a weight ``w > 1`` (more contention than the packed end's) slows the
+        packed curve ``e^(w - 1)`` times. ``None``: the packed curve, as where the book has no alone curves."""
         if busy is None or self.alone is None:
             return self._lookup(model, tp, share, engine, gpu_type)
         target, packed = self._packed_end(model, tp, share, engine, gpu_type)
-        w = round(min(max(busy, 0.0), 1.0), 3)
+        w = round(max(busy, 0.0), 3)
         got = self._blended.get((target, w))
         if got is None:
             _, alone = self.alone._replay_curve(model, tp, share, engine, gpu_type)
-            mixed = shares.blend(replace(alone, key=target), packed, w)
+            mixed = (
+                shares.slowed(packed, math.exp(w - 1.0))
+                if w > 1.0
+                else shares.blend(replace(alone, key=target), packed, w)
+            )
             live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
             got = shares.after_live(mixed.corrected(live))
             self._blended[(target, w)] = got

@@ -301,16 +301,23 @@ def after_live(prof: Profile) -> Profile:
     return replace(prof, uncertainty=prof.uncertainty / math.sqrt(1.0 + prof.corrected_by))
 
 
-def pessimistic(prof: Profile) -> Profile:
-    """``prof`` run ``1 / (1 + u)`` as fast: the slow end of its uncertainty (itself at 0)."""
-    if not prof.uncertainty:
+def slowed(prof: Profile, factor: float) -> Profile:
+    """``prof`` run ``factor`` (>= 1) times slower in time: capacity over it, the latency at
+    ``λ`` read at ``λ · factor`` and stretched by it."""
+    if factor <= 1.0:
         return prof
-    s = 1.0 / (1.0 + prof.uncertainty)
+    s = 1.0 / factor
     return replace(
         prof,
         saturation=prof.saturation * s,
         rates=prof.rates * s,
         lat={k: v / s for k, v in prof.lat.items()},
         ttft_mean=prof.ttft_mean / s,
-        uncertainty=0.0,
     )
+
+
+def pessimistic(prof: Profile) -> Profile:
+    """``prof`` run ``1 / (1 + u)`` as fast: the slow end of its uncertainty (itself at 0)."""
+    if not prof.uncertainty:
+        return prof
+    return replace(slowed(prof, 1.0 + prof.uncertainty), uncertainty=0.0)
