@@ -9,33 +9,41 @@ from profile points.
 The model. A replica on share ``s`` of a GPU, derived from a profiled share ``c`` (``r = s/c``):
 
     T_s     = r · T_c                                  (saturation throughput)
-    L_s(λ)  = L⁰_c · r^-β  +  (L_c(λ/r) - L⁰_c) / r      (each latency statistic)
+    L_s(λ)  = L⁰_c · r^-β  +  (L_c(λ/r) - L⁰_c) · r^-δ   (each latency statistic)
 
 ``L⁰`` is the curve's light-load latency (its lightest point); ``L_c(λ/r) - L⁰_c`` the
 excess that queueing and batching add at the same utilisation ``rho = λ / T`` (``λ/r`` on
 ``c`` is ``λ`` on ``s`` at equal ``rho``). The two regimes: at light load a call is one batch
 of one request, and a share slows it far less than proportionally (the memory-bound weight
 streaming keeps the whole GPU's bandwidth; only compute shrinks): ``r^-β`` with
-``0 <= β <= 1``. Near saturation the excess, which grows as ``1 / (T - λ)``-like queueing,
-dominates, and it scales as ``1/r`` with the capacity, so the curve moves continuously in
-``rho`` from ``r^-β`` to the linear ``1/r``. With
-``β = 1`` it is exactly linear scaling (``L_c(λ/r)/r``). Saturation throughput scales by ``r``
+``0 <= β <= 1``. Above it the excess dominates; a queue whose every step ran ``1/r`` times
+slower would stretch it by ``1/r`` (``δ = 1``). That is what a share next to busy copies
+(packed) is: every resource contended, ``δ = 1``. A share alone keeps much of the GPU's
+memory bandwidth, so its steps at moderate batches slow less than its capacity shrinks:
+alone, ``δ`` is fitted from the alone share pairs like ``β`` (below), and where no pair gives
+one it is the capacity's exponent ``gamma``. With ``β = δ = 1`` it is exactly linear scaling
+(``L_c(λ/r)/r``). Saturation throughput scales by ``r``
 and never more: a share is a subset of the GPU (``r · T_c`` bounds a derived share from above
 when scaled down, from below when scaled up from a smaller share).
 
 Shares measured *alone* on their GPU (the profile book's second end,
 :mod:`optimizer.model.colocation`) are moved with a saturation exponent as well:
-``T_s = r^gamma · T_c`` and the excess over ``r^gamma``, ``gamma`` fitted like ``β`` from the alone
-pairs' saturations (:func:`pair_gamma`; 1 where there is none). Alone, a share keeps much of
+``T_s = r^gamma · T_c``, ``gamma`` fitted like ``β`` from the alone pairs' saturations
+(:func:`pair_gamma`; 1 where there is none). Alone, a share keeps much of
 the GPU's memory bandwidth and serves more than its part (simulated, A6000: ``gamma`` 0.27 to
 0.72 over the accuracy bench's small models); next to busy neighbours it never does (the
 packed ends keep ``gamma = 1``).
 
 ``β`` comes from the book's own profiled share pairs (same model, engine, GPU type and TP; two
 shares ``a < b`` give ``β = ln(L⁰_a / L⁰_b) / ln(b/a)``, clipped to ``[0, 1]``): the median over
-the model's pairs, else over every pair of the book, else :data:`DEFAULT_BETA`. Between two
+the model's pairs, else over every pair of the book, else :data:`DEFAULT_BETA`. ``δ`` alone the
+same way from the alone pairs' excesses at equal utilisation (:func:`pair_delta`; simulated
+A6000, the accuracy bench's quick profiles: 0.0-0.5, where their ``gamma`` reads 0.27-0.72;
+packed pairs against the whole GPU read 0.4-1.0, noisier, and stay at 1; a derived RAG 8B
+half share alone read 1.6x its simulated excess at 50-60% load with ``δ = gamma``, 1.2x
+with the book's ``δ``). Between two
 profiled shares ``a < s < b`` the curve is interpolated instead: both are moved to ``s`` with
-that pair's own ``β`` (so ``L⁰`` is exact at both ends), blended in ``rho`` with weight
+that pair's own ``β`` and ``δ`` (so ``L⁰`` is exact at both ends), blended in ``rho`` with weight
 ``w = ln(s/a) / ln(b/a)`` (latency linearly, saturation geometrically), the saturation kept
 between ``T_a`` and ``r · T_b``. A profiled share is returned as measured.
 
@@ -90,6 +98,10 @@ K_PAIR = 0.5  # interpolation between two profiled shares (a bridge, 0 at both e
 _TINY = 1e-12  # a latency read as 0 (an instant stage) still has a logarithm
 EXTRAPOLATE = 2.0  # scaled up beyond the largest profiled share
 _MIN_LOG_SPAN = 0.05  # shares closer than 5% give no usable β
+# δ is read at these utilisations of both curves, where the excess is at least MIN_EXCESS of
+# the light-load latency (below it, the excess is the points' noise)
+DELTA_RHOS = (0.3, 0.5, 0.7, 0.8)
+MIN_EXCESS = 0.05
 # Between two measured loads a curve rises as a queue does, not along the chord: its log
 # latency is interpolated linearly in the queue coordinate -ln(1 - rho / QUEUE_HEADROOM)
 # (``along``). Measured on the accuracy bench's full simulated profiles (15 keys, points below
@@ -114,6 +126,7 @@ class Beta:
     value: float
     source: BetaSource
     gamma: float = 1.0
+    delta: float | None = None  # the excess exponent δ (None: the capacity's, ``gamma``)
 
 
 def light(prof: Profile) -> float:
@@ -129,6 +142,23 @@ def pair_beta(a: Profile, b: Profile) -> float | None:
     if abs(span) < _MIN_LOG_SPAN or not (la > 0 and lb > 0):
         return None
     return min(max(math.log(la / lb) / span, 0.0), 1.0)
+
+
+def pair_delta(a: Profile, b: Profile) -> float | None:
+    """``δ`` from two profiled shares of one key: the median over :data:`DELTA_RHOS` of
+    ``ln(E_a / E_b) / ln(b / a)``, ``E`` a curve's excess over its light-load latency at that
+    utilisation of its own ``T_m``, clipped to ``[0, 1]``; ``None`` when the shares are too
+    close or no utilisation shows both excesses above :data:`MIN_EXCESS`."""
+    span = math.log(b.key.share / a.key.share)
+    if abs(span) < _MIN_LOG_SPAN:
+        return None
+    got = []
+    for rho in DELTA_RHOS:
+        ea = float(a.latency(rho * a.saturation)) - light(a)
+        eb = float(b.latency(rho * b.saturation)) - light(b)
+        if ea > MIN_EXCESS * light(a) and eb > MIN_EXCESS * light(b):
+            got.append(math.log(ea / eb) / span)
+    return min(max(statistics.median(got), 0.0), 1.0) if got else None
 
 
 def pair_gamma(a: Profile, b: Profile) -> float | None:
@@ -155,6 +185,8 @@ class Betas:
     # gamma per model and over the book (empty and None where shares are taken as contended)
     gamma_by_model: Mapping[str, float] = field(default_factory=dict)
     gamma_book: float | None = None
+    delta_by_model: Mapping[str, float] = field(default_factory=dict)
+    delta_book: float | None = None
 
     @classmethod
     def fitted(cls, profiles: Iterable[Profile], alone: bool = False) -> Betas:
@@ -164,6 +196,7 @@ class Betas:
             groups.setdefault(_group(p.key), []).append(p)
         per_model: dict[str, list[float]] = {}
         gammas: dict[str, list[float]] = {}
+        deltas: dict[str, list[float]] = {}
         for (model, *_), ps in sorted(groups.items()):
             ps = sorted(ps, key=lambda p: p.key.share)
             for i, a in enumerate(ps):
@@ -174,23 +207,28 @@ class Betas:
                     gamma = pair_gamma(a, b) if alone else None
                     if gamma is not None:
                         gammas.setdefault(model, []).append(gamma)
-        everything = [b for bs in per_model.values() for b in bs]
-        every_gamma = [g for gs in gammas.values() for g in gs]
-        return cls(
-            {m: statistics.median(bs) for m, bs in per_model.items()},
-            statistics.median(everything) if everything else None,
-            {m: statistics.median(gs) for m, gs in gammas.items()},
-            statistics.median(every_gamma) if every_gamma else None,
-        )
+                    delta = pair_delta(a, b) if alone else None
+                    if delta is not None:
+                        deltas.setdefault(model, []).append(delta)
+
+        def medians(by: dict[str, list[float]]) -> tuple[dict[str, float], float | None]:
+            every = [x for xs in by.values() for x in xs]
+            per = {m: statistics.median(xs) for m, xs in by.items()}
+            return per, statistics.median(every) if every else None
+
+        (by_model, book), (by_gamma, gamma_book) = medians(per_model), medians(gammas)
+        by_delta, delta_book = medians(deltas)
+        return cls(by_model, book, by_gamma, gamma_book, by_delta, delta_book)
 
     def for_model(self, model: str) -> Beta:
         gamma = self.gamma_by_model.get(model, self.gamma_book)
         gamma = 1.0 if gamma is None else gamma
+        delta = self.delta_by_model.get(model, self.delta_book)
         if model in self.by_model:
-            return Beta(self.by_model[model], "model", gamma)
+            return Beta(self.by_model[model], "model", gamma, delta)
         if self.book is not None:
-            return Beta(self.book, "book", gamma)
-        return Beta(DEFAULT_BETA, "default", gamma)
+            return Beta(self.book, "book", gamma, delta)
+        return Beta(DEFAULT_BETA, "default", gamma, delta)
 
 
 def along(rho: npt.ArrayLike, knots: FloatArray, values: FloatArray) -> FloatArray:
@@ -205,20 +243,20 @@ def along(rho: npt.ArrayLike, knots: FloatArray, values: FloatArray) -> FloatArr
 
 
 def _moved(
-    prof: Profile, r: float, beta: float, gamma: float = 1.0
+    prof: Profile, r: float, beta: float, gamma: float = 1.0, delta: float | None = None
 ) -> tuple[float, FloatArray, dict[str, FloatArray]]:
-    """``(T, rho, latencies)`` of ``prof`` moved to ``r`` x its share (module docstring);
-    capacity, and with it the queueing excess, by ``r^gamma``."""
+    """``(T, rho, latencies)`` of ``prof`` moved to ``r`` x its share (module docstring):
+    capacity by ``r^gamma``, the excess over light load by ``r^-δ`` (``δ`` None: ``gamma``)."""
     stretch = r ** (-beta)
-    capacity = r**gamma
-    lat = {k: v[0] * stretch + (v - v[0]) / capacity for k, v in prof.lat.items()}
-    return prof.saturation * capacity, prof.rates / prof.saturation, lat
+    excess = r ** (-(gamma if delta is None else delta))
+    lat = {k: v[0] * stretch + (v - v[0]) * excess for k, v in prof.lat.items()}
+    return prof.saturation * r**gamma, prof.rates / prof.saturation, lat
 
 
 def derived(base: Profile, share: float, beta: Beta) -> Profile:
     """``base`` (a profiled share) moved to ``share`` with ``beta``, with its uncertainty."""
     r = share / base.key.share
-    saturation, rho, lat = _moved(base, r, beta.value, beta.gamma)
+    saturation, rho, lat = _moved(base, r, beta.value, beta.gamma, beta.delta)
     k = K_PAIR if beta.source == "pair" else _K[beta.source]
     u = k * abs(math.log(r)) * (EXTRAPOLATE if r > 1.0 else 1.0)
     return replace(
@@ -243,9 +281,10 @@ def interpolated(lower: Profile, upper: Profile, share: float, alone: bool = Fal
     beta = pair_beta(lower, upper)
     beta = DEFAULT_BETA if beta is None else beta
     gamma = (pair_gamma(lower, upper) if alone else None) or 1.0
+    delta = pair_delta(lower, upper) if alone else None
     w = math.log(s / a) / math.log(b / a)
-    _, rho_a, lat_a = _moved(lower, s / a, beta, gamma)
-    t_b, rho_b, lat_b = _moved(upper, s / b, beta, gamma)
+    _, rho_a, lat_a = _moved(lower, s / a, beta, gamma, delta)
+    t_b, rho_b, lat_b = _moved(upper, s / b, beta, gamma, delta)
     geometric = lower.saturation ** (1.0 - w) * upper.saturation**w
     saturation = max(lower.saturation, min(geometric, t_b))
     rho = np.union1d(rho_a, rho_b)

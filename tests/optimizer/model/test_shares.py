@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -125,6 +126,34 @@ def test_beta_comes_from_the_models_pairs_else_the_books_else_the_default() -> N
     alone = ProfileBook(other).lookup("ver", 1, 0.5)
     assert alone.beta == DEFAULT_BETA
     assert alone.uncertainty == pytest.approx(K_DEFAULT * math.log(2.0))
+
+
+def test_the_excess_moves_by_the_pairs_delta_not_by_the_capacity() -> None:
+    # the half share: light load 2^0.6 slower, the excess at equal utilisation 2^0.3 larger
+    # (measured alone, each share with nothing else on its GPU)
+    half = queue(share=0.5, saturation=5.0, light=2**0.6, blowup=0.5 * 2**0.3 / 2**0.6)
+    points = [replace(p, colocation="alone") for p in queue() + half + queue("ver", light=0.5)]
+    book = ProfileBook(points, alone_ends=True)  # the alone end of a book with both
+    delta = book.betas.delta_by_model["gen"]
+    assert delta == pytest.approx(0.3, abs=0.03)
+    assert book.betas.delta_book == delta
+    measured, quarter = book.lookup("gen", 1, 0.5), book.lookup("gen", 1, 0.25)
+    # capacity: by the alone pair's gamma (here 1: the half share serves half)
+    assert quarter.saturation == pytest.approx(measured.saturation / 2)
+
+    def excess(p: Profile, rho: float) -> float:
+        return float(p.latency(rho * p.saturation)) - float(p.lat["mean"][0])
+
+    for rho in (0.4, 0.8):
+        assert excess(quarter, rho) == pytest.approx(excess(measured, rho) * 2**delta)
+    # a model without pairs takes the book's; packed shares (contended next to busy copies),
+    # and a book without pairs, move it with the capacity
+    ver = book.lookup("ver", 1, 0.5)
+    assert excess(ver, 0.8) == pytest.approx(excess(book.lookup("ver", 1, 1.0), 0.8) * 2**delta)
+    packed = ProfileBook(queue() + half)
+    assert packed.betas.delta_by_model == {}
+    lone, whole = packed.lookup("gen", 1, 0.25), packed.lookup("gen", 1, 0.5)
+    assert excess(lone, 0.8) == pytest.approx(excess(whole, 0.8) * 2)
 
 
 def test_noisy_pairs_are_clipped_to_a_physical_beta() -> None:
