@@ -117,9 +117,10 @@ def weight(demand: float, load: float, reference: float) -> float:
 def weights(
     placed: Sequence[Placed], busy: Mapping[str, float], model_ends: Mapping[str, Ends]
 ) -> dict[str, float]:
-    """Per model, the packed curve's weight for its replicas (the mean over them) given each
-    model's busy probability ``busy`` and :class:`Ends` (module docstring). A model missing
-    from ``busy`` counts as idle, one missing from ``model_ends`` draws its share."""
+    """Per model, the packed curve's weight for its replicas (the mean over its fractional
+    ones, where it has any) given each model's busy probability ``busy`` and :class:`Ends`
+    (module docstring). A model missing from ``busy`` counts as idle, one missing from
+    ``model_ends`` draws its share."""
     on_gpu: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(placed):
         for g in r.gpus:

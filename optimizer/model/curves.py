@@ -307,7 +307,8 @@ class ProfileBook:
         (:mod:`optimizer.model.colocation`); where the book has alone curves, the
         replayed (or derived) alone and packed curves are blended by it before the live
         correction, and a weight ``w > 1`` (more contention than the packed end's) slows the
-        packed curve ``e^(w - 1)`` times. ``None``: the packed curve, as where the book has no alone curves."""
+        packed curve ``e^(w - 1)`` times. ``None``: the packed curve, as where the book has
+        no alone curves."""
         if busy is None or self.alone is None:
             return self._lookup(model, tp, share, engine, gpu_type)
         target, packed = self._packed_end(model, tp, share, engine, gpu_type)

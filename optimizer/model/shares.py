@@ -22,9 +22,9 @@ slower would stretch it by ``1/r`` (``δ = 1``). That is what a share next to bu
 memory bandwidth, so its steps at moderate batches slow less than its capacity shrinks:
 alone, ``δ`` is fitted from the alone share pairs like ``β`` (below), and where no pair gives
 one it is the capacity's exponent ``gamma``. With ``β = δ = 1`` it is exactly linear scaling
-(``L_c(λ/r)/r``). Saturation throughput scales by ``r``
-and never more: a share is a subset of the GPU (``r · T_c`` bounds a derived share from above
-when scaled down, from below when scaled up from a smaller share).
+(``L_c(λ/r)/r``). Saturation throughput scales by ``r`` and never more: a share is a subset
+of the GPU (``r · T_c`` bounds a derived share from above when scaled down, from below when
+scaled up from a smaller share).
 
 Shares measured *alone* on their GPU (the profile book's second end,
 :mod:`optimizer.model.colocation`) are moved with a saturation exponent as well:
@@ -41,11 +41,11 @@ same way from the alone pairs' excesses at equal utilisation (:func:`pair_delta`
 A6000, the accuracy bench's quick profiles: 0.0-0.5, where their ``gamma`` reads 0.27-0.72;
 packed pairs against the whole GPU read 0.4-1.0, noisier, and stay at 1; a derived RAG 8B
 half share alone read 1.6x its simulated excess at 50-60% load with ``δ = gamma``, 1.2x
-with the book's ``δ``). Between two
-profiled shares ``a < s < b`` the curve is interpolated instead: both are moved to ``s`` with
-that pair's own ``β`` and ``δ`` (so ``L⁰`` is exact at both ends), blended in ``rho`` with weight
-``w = ln(s/a) / ln(b/a)`` (latency linearly, saturation geometrically), the saturation kept
-between ``T_a`` and ``r · T_b``. A profiled share is returned as measured.
+with the book's ``δ``). Between two profiled shares ``a < s < b`` the curve is interpolated
+instead: both are moved to ``s`` with that pair's own ``β`` and ``δ`` (so ``L⁰`` is exact at
+both ends), blended in ``rho`` with weight ``w = ln(s/a) / ln(b/a)`` (latency linearly,
+saturation geometrically), the saturation kept between ``T_a`` and ``r · T_b``. A profiled
+share is returned as measured.
 
 The uncertainty. Every curve carries ``u >= 0``, a relative error of its speed: the truth is
 taken to lie between this curve and the same curve run ``1 / (1 + u)`` as fast (capacity
