@@ -315,12 +315,11 @@ class ProfileBook:
         w = round(max(busy, 0.0), 3)
         got = self._blended.get((target, w))
         if got is None:
-            _, alone = self.alone._replay_curve(model, tp, share, engine, gpu_type)
-            mixed = (
-                shares.slowed(packed, math.exp(w - 1.0))
-                if w > 1.0
-                else shares.blend(replace(alone, key=target), packed, w)
-            )
+            if w > 1.0:  # past the packed end's contention: the alone end plays no part
+                mixed = shares.slowed(packed, math.exp(w - 1.0))
+            else:
+                _, alone = self.alone._replay_curve(model, tp, share, engine, gpu_type)
+                mixed = shares.blend(replace(alone, key=target), packed, w)
             live = [p for k, ps in self.live.items() if _same(k, target) for p in ps]
             got = shares.after_live(mixed.corrected(live))
             self._blended[(target, w)] = got
