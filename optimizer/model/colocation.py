@@ -19,9 +19,13 @@ alone shares (:func:`optimizer.model.shares.pair_gamma`); where the share was me
 next to ``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that
 profile's contention ``T_alone / T_packed``. Co-located clients share the GPU like the
 simulator's (``sim.perf.contention``): while the sum of the busy ones' demands exceeds 1,
-each runs that many times slower than alone. A placed replica's expected contention is
-``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its GPUs under
-tensor parallelism). The packed end stands for contention ``C_ref``: for a measured packed
+each runs that many times slower than alone. A neighbour is counted in the replica's own
+units: what it draws of the resource the replica is bound by is what a copy of the replica's
+model would draw at the neighbour's share, ``q_j = q (s_j / s)^gamma`` (a memory-bound small
+model beside a compute-bound one costs it the SMs its share holds, not the bandwidth it
+streams; the simulator contends compute and bandwidth apart). A placed replica's expected
+contention is ``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its
+GPUs under tensor parallelism). The packed end stands for contention ``C_ref``: for a measured packed
 share its own (``q (1 + (k - 1) b)``, the copies as busy as itself), for a derived one the
 ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (at least 0) makes the
 blend's capacity, geometric in ``w``, the alone capacity over ``C``: a placement that
@@ -83,6 +87,13 @@ class Ends:
     demand: float
     contended: float = 1.0
     copies: int = 0
+    exponent: float = 1.0  # the model's alone ``gamma``: what a neighbour's share costs it
+
+    def draw(self, own_share: float, neighbour_share: float) -> float:
+        """What a busy neighbour at ``neighbour_share`` draws of the resource this model is
+        bound by, in the units of its own ``demand`` at ``own_share``: the demand a copy of
+        this model would have at that share (module docstring)."""
+        return self.demand * math.pow(neighbour_share / own_share, self.exponent)
 
 
 def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
@@ -92,9 +103,10 @@ def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
     alone, packed = book.end_curves(model, tp, share)
     contended = max(1.0, alone.saturation / packed.saturation)
     copies = book.measured_copies(model, tp, share)
+    gamma = book.alone.betas.for_model(model).gamma
     if copies > 1:
-        return Ends(contended / copies, contended, copies)
-    return Ends(share ** book.alone.betas.for_model(model).gamma, contended)
+        return Ends(contended / copies, contended, copies, gamma)
+    return Ends(share**gamma, contended, 0, gamma)
 
 
 def weight(demand: float, load: float, reference: float) -> float:
@@ -119,22 +131,22 @@ def weights(
 ) -> dict[str, float]:
     """Per model, the packed curve's weight for its replicas (the mean over its fractional
     ones, where it has any) given each model's busy probability ``busy`` and :class:`Ends`
-    (module docstring). A model missing from ``busy`` counts as idle, one missing from
-    ``model_ends`` draws its share."""
+    (module docstring). A model missing from ``busy`` counts as idle; a replica whose model
+    is missing from ``model_ends`` draws its share and counts its neighbours by theirs."""
     on_gpu: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(placed):
         for g in r.gpus:
             on_gpu.setdefault((r.node, g), []).append(i)
 
-    def of(r: Placed) -> Ends:
-        return model_ends.get(r.model) or Ends(r.share)
-
     per_model: dict[str, list[tuple[bool, float]]] = {}
     for i, r in enumerate(placed):
+        e = model_ends.get(r.model) or Ends(r.share)
+        # the neighbours in this replica's units: a memory-bound neighbour costs a
+        # compute-bound replica what its SMs cost it, not the bandwidth it draws
         load = max(
             (
                 sum(
-                    of(placed[j]).demand * busy.get(placed[j].model, 0.0)
+                    e.draw(r.share, placed[j].share) * busy.get(placed[j].model, 0.0)
                     for j in on_gpu[(r.node, g)]
                     if j != i
                 )
@@ -142,7 +154,6 @@ def weights(
             ),
             default=0.0,
         )
-        e = of(r)
         # a measured packed end: its copies as busy as this replica; a derived one: contended
         reference = (
             e.demand * (1.0 + (e.copies - 1) * busy.get(r.model, 0.0))
