@@ -238,11 +238,8 @@ class Router:
         preferred = min(
             (r for r in live if r.url in urls), key=lambda r: (self.load(r), self._rng.random())
         )
-        return (
-            preferred
-            if self.settings.keeps_affinity(self.load(preferred), self.load(least))
-            else least
-        )
+        others = [self.load(r) for r in live if r is not preferred]
+        return preferred if self.settings.keeps_affinity(self.load(preferred), others) else least
 
     # --- load ----------------------------------------------------------------------------
     def load(self, rep: Replica) -> float:

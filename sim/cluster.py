@@ -22,7 +22,7 @@ Invariants and assumptions:
   with its default settings, over token blocks instead of characters (# assumed: 4
   characters a token): a chat call follows the replica that last served the longest
   remembered prefix of its prompt when at least half of the prompt's blocks matched and that
-  replica is not much busier than the least loaded (``RoutingSettings.keeps_affinity``, the
+  replica is not much busier than the others' mean (``RoutingSettings.keeps_affinity``, the
   proxy's own rule); otherwise (and for embeddings and rerank calls, which carry no chat
   prompt) the least loaded replica, ties broken at random.
 """
@@ -291,7 +291,8 @@ class Router:
         held, matched = table.longest(keys, pool)
         if held and matched / len(keys) >= self.settings.affinity_min_match:
             preferred = min(held, key=lambda r: (r.outstanding, self.rng.random()))
-            if self.settings.keeps_affinity(preferred.outstanding, least.outstanding):
+            others = [r.outstanding for r in pool if r is not preferred]
+            if self.settings.keeps_affinity(preferred.outstanding, others):
                 chosen = preferred
         table.remember(keys, chosen)
         return chosen

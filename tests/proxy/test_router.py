@@ -78,6 +78,29 @@ def test_under_heavy_load_affinity_tolerates_a_proportional_imbalance(
     assert r.pick("m", beam + " x^3/3") is other
 
 
+def test_affinity_is_bounded_by_the_pools_mean_not_its_least_loaded_replica() -> None:
+    """In a pool of 8 busy replicas the least loaded one is a swing, no reason to scatter:
+    a prefix stays home up to twice the other replicas' mean load. An idle replica is spare
+    capacity: it takes the call once home is affinity_slack ahead."""
+    r = _router(8, policy="prefix_affinity", prefix_block_chars=16, affinity_slack=8)
+    beam = "You are a careful math solver. " * 4 + "Problem 17: integrate x^2. Step 1:"
+    home = r.pick("m", beam)
+    others = [rep for rep in r.replicas() if rep is not home]
+    for n, rep in enumerate(others):
+        for _ in range(4 if n == 0 else 20):
+            r.acquire(rep)  # their mean: 124 / 7 = 17.7
+    for _ in range(35):
+        r.acquire(home)
+    assert r.pick("m", beam + " x^3/3") is home  # 35 <= 2 x 17.7, though 31 above the least
+    r.acquire(home)
+    assert r.pick("m", beam + " x^3/3") is others[0]  # 36: past twice the mean
+    for _ in range(4):
+        r.release(others[0])
+    for _ in range(27):
+        r.release(home)  # 9 in flight, 9 ahead of an idle replica
+    assert r.pick("m", beam + " x^3/3") is others[0]
+
+
 def test_a_prefix_every_replica_holds_spreads_while_continuations_stick() -> None:
     """A long system prompt shared by every request is cached on every replica after a few
     requests: new requests that match only it go to the least loaded holder, not all to the
