@@ -56,6 +56,13 @@ class ReprofileSettings:
         20, doc="completed requests a window needs for its latency to count towards drift"
     )
     max_gpus: int = setting(1, doc="most GPUs one profiling replica may take (its TP degree)")
+    borrowed_shares: bool = setting(
+        True,
+        doc="profile a share the proposal wants for a (model, GPU, TP) that has no fractional "
+        "share measured at all: its share curve borrows other models' exponents (a "
+        "prefill-bound verifier read a memory-bound generator's and was predicted 2.4x slow "
+        "beside a busy neighbour, simulated)",
+    )
     scaled_shares: bool = setting(
         False,
         doc="also profile a share the proposal wants that is only scaled from another "

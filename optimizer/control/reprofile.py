@@ -7,8 +7,10 @@ reads one pass's figures and returns what is worth profiling, most urgent first:
 - ``no_profile``: a model in the window's traffic (and in ``rollout.models``, so it can be
   started) that the profile book has no replayed curve for: the step cannot plan without one;
 - ``uncovered``: a (model, GPU type, TP) the last proposal placed a replica at that no replayed
-  point measures, so its curve is borrowed from another GPU type or TP; with
-  ``reprofile.scaled_shares`` also a share that is only scaled from another share;
+  point measures, so its curve is borrowed from another GPU type or TP; a fractional share of
+  one whose points are all whole GPUs, so its share exponents are other models'
+  (``reprofile.borrowed_shares``, on by default); with ``reprofile.scaled_shares`` also a
+  share that is only scaled from another share;
 - ``drift``: a workflow whose observed mean latency departed from the prediction for what runs
   by more than ``drift_threshold`` (relative to the observed) in ``drift_windows`` consecutive
   passes, each with ``min_requests`` completed requests and all on the same side. A single bad
@@ -186,6 +188,16 @@ def _uncovered(inp: TriggerInput) -> list[ReprofileRequest]:
             detail = (
                 f"the proposal places {k.model} at tp={k.tp} on {k.gpu_type}, "
                 "where no point was measured"
+            )
+        elif (
+            inp.settings.borrowed_shares
+            and k.share < 1.0 - 1e-6
+            and not any(p.share < 1.0 - 1e-6 for p in same)
+        ):
+            detail = (
+                f"the proposal places {k.model} at share {k.share:g} on {k.gpu_type} "
+                f"(tp={k.tp}), where no fractional share was measured: its share curve "
+                "borrows other models' exponents"
             )
         elif inp.settings.scaled_shares and not any(abs(p.share - k.share) < 1e-6 for p in same):
             detail = (

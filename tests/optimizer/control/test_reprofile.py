@@ -120,12 +120,25 @@ def test_a_wanted_gpu_type_that_no_point_measures_fires() -> None:
     assert [(r.gpu_type, r.share, r.reason) for r in reqs] == [("h100", 0.5, "uncovered")]
 
 
-def test_a_scaled_share_fires_only_when_asked_for() -> None:
+def test_a_share_of_a_model_with_only_whole_gpus_measured_fires_by_default() -> None:
     wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.5),)
-    assert triggers(_input(wanted=wanted)) == []
-    reqs = triggers(_input(wanted=wanted, settings=replace(CFG, scaled_shares=True)))
+    reqs = triggers(_input(wanted=wanted))
     assert [(r.share, r.reason) for r in reqs] == [(0.5, "uncovered")]
-    assert "scaled from share(s) 1" in reqs[0].detail
+    assert "borrows other models' exponents" in reqs[0].detail
+    assert triggers(_input(wanted=wanted, settings=replace(CFG, borrowed_shares=False))) == []
+    # a whole GPU it has measured is covered
+    assert triggers(_input(wanted=(WantedKey("llama-3-8b", "a6000", 1, 1.0),))) == []
+
+
+def test_a_scaled_share_fires_only_when_asked_for() -> None:
+    # the model has a fractional share measured: another share is scaled from it
+    half = [replace(p, share=0.5) for p in _points() if p.model == "llama-3-8b"]
+    book = ProfileBook([*_points(), *half])
+    wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.25),)
+    assert triggers(_input(wanted=wanted, book=book)) == []
+    reqs = triggers(_input(wanted=wanted, book=book, settings=replace(CFG, scaled_shares=True)))
+    assert [(r.share, r.reason) for r in reqs] == [(0.25, "uncovered")]
+    assert "scaled from share(s) 0.5, 1" in reqs[0].detail
 
 
 def test_a_wanted_key_wider_than_max_gpus_is_not_requested() -> None:

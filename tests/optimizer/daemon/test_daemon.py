@@ -171,7 +171,9 @@ async def test_a_held_shift_is_planned_once_and_every_pass_is_a_decision_row(
     _trace(tmp_path, [(1.0, 120.0), (3.0, 120.0)])
     backend = FakeBackend()
     clock = FakeClock(T0 + 40)
-    daemon = Daemon(_settings(tmp_path), backend, clock=clock)
+    # the synthetic curves are whole-GPU only: the shares planned here would be reprofiled
+    settings = _settings(tmp_path, reprofile={"borrowed_shares": False})
+    daemon = Daemon(settings, backend, clock=clock)
     await _run(daemon, clock, 240)
     rows = load_decisions(tmp_path)
     assert len(rows) == daemon.ticks >= 10
