@@ -25,6 +25,9 @@ Invariants:
   live points each pass); a model without a replayed profile makes the pass an ``error``
   decision naming it, and nothing is rolled out (live points alone make no curve);
 - a replica's load becomes a live point only if it passes :func:`optimizer.model.live.verdict`;
+  a replica short of ``live.MIN_CALLS`` finished calls in the window is read over a window
+  ``LIVE_WIDENING`` times as long (never before the first call, nor, by the verdict, before it
+  started);
   "running since the window began" is when this daemon first observed the replica ready, so a
   restarted daemon learns nothing from its first window;
 - the window never reaches back before the first recorded call, so a fresh store does not read
@@ -92,6 +95,9 @@ __all__ = ["DAEMON", "Daemon", "TickReport", "make_app"]
 
 log = logging.getLogger(__name__)
 US = 1_000_000
+# A replica with too few finished calls in the window for a live point (a slow or lightly used
+# one) is read over a window twice, then four times as long: a slowed replica still teaches.
+LIVE_WIDENING = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -151,15 +157,19 @@ def window_stats(
 
 def replica_window(
     now: float, cfg: OptimizerSettings, data_start_us: int | None
-) -> tuple[int, int] | None:
-    """The statistics window of :func:`window_stats` as ``[from, to)`` µs for the replicas'
-    loads (ending ``settle_s`` early, as completions do); ``None`` when it is empty."""
+) -> tuple[tuple[int, ...], int] | None:
+    """The statistics window of :func:`window_stats` as ``(starts, to)`` µs for the replicas'
+    loads (ending ``settle_s`` early, as completions do), with the starts of the windows
+    ``LIVE_WIDENING`` times as long, none before the first call; ``None`` when it is empty."""
     if data_start_us is None:
         return None
     now_us = round(now * US)
-    lo = max(now_us - round(cfg.window_s * US), data_start_us)
     hi = now_us - round(cfg.settle_s * US)
-    return (lo, hi) if hi > lo else None
+    starts = sorted(
+        {max(now_us - round(k * cfg.window_s * US), data_start_us) for k in LIVE_WIDENING}
+    )
+    starts = [lo for lo in starts if lo < hi]
+    return (tuple(starts[::-1]), hi) if starts else None
 
 
 @dataclass(frozen=True)
@@ -294,7 +304,11 @@ class Daemon:
             stats, span = self._read_window(now)
             recent = recent_models(self.store, round((now - RECENT_S) * US))
             bounds = replica_window(now, self.cfg, self._data_start_us)
-            loads = () if bounds is None else tuple(replica_loads_store(self.store, *bounds))
+            loads = (
+                ()
+                if bounds is None
+                else tuple(replica_loads_store(self.store, *bounds, min_calls=live.MIN_CALLS))
+            )
             return _Read(stats, span, frozenset(recent), loads)
         finally:  # what the readers skipped, this pass (a bad segment never fails a pass)
             self.metrics.unreadable_segments.set(len(unreadable_segments(self.store)))

@@ -3,7 +3,9 @@
 Role: :func:`replica_loads` groups the window's call records by (model, upstream URL) into
 :class:`optimizer.stats.replica_load.ReplicaLoad` (calls started and finished, latency mean and
 percentiles, TTFT, latency early and late in the window); :func:`replica_loads_store` opens the
-store. The daemon turns them into live profile points (:mod:`optimizer.model.live`).
+store and reads one or more nested windows ending together, keeping per replica the shortest
+that holds ``min_calls`` finished calls (:func:`widest_needed`). The daemon turns them into live
+profile points (:mod:`optimizer.model.live`).
 
 Invariants:
 - a retried call is one logical call, as in the statistics scan: rows sharing a ``call_id``
@@ -16,6 +18,10 @@ Invariants:
   in a queue, where a slowdown in the window's last seconds leaves none; ``finished_late``
   those of ``finished`` that ended in its second half;
 - rows without an upstream (refused before any replica was picked) are left out;
+- a replica's load is that of the shortest of the nested windows with ``min_calls`` finished
+  calls, else of the shortest window it appears in: a slow or lightly used replica still yields
+  a figure (over a longer span) where a busy one keeps the freshest; the choice depends on the
+  replica's own counts only;
 - the connection is closed whatever happens; a segment found unreadable is skipped
   (``StoreReader.read``).
 """
@@ -23,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ import duckdb
 from optimizer.stats.replica_load import ReplicaLoad
 from shared.store import StoreReader
 
-__all__ = ["replica_loads", "replica_loads_store"]
+__all__ = ["replica_loads", "replica_loads_store", "widest_needed"]
 
 _LOOKBACK_US = 600 * 1_000_000  # calls that ended in the window may have started this early
 
@@ -112,15 +119,38 @@ def _f(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def replica_loads_store(store: str | Path, t_from_us: int, t_to_us: int) -> list[ReplicaLoad]:
+def widest_needed(by_window: Sequence[Sequence[ReplicaLoad]], min_calls: int) -> list[ReplicaLoad]:
+    """Per (model, upstream), its load in the first window of ``by_window`` (shortest first)
+    with ``min_calls`` finished calls, else in the first window it appears in; ordered by
+    model then upstream."""
+    chosen: dict[tuple[str, str], ReplicaLoad] = {}
+    for loads in by_window:
+        for load in loads:
+            key = (load.model, load.upstream)
+            held = chosen.get(key)
+            if held is None or (held.finished < min_calls <= load.finished):
+                chosen[key] = load
+    return [chosen[k] for k in sorted(chosen)]
+
+
+def replica_loads_store(
+    store: str | Path,
+    t_from_us: int | Sequence[int],
+    t_to_us: int,
+    *,
+    min_calls: int = 0,
+) -> list[ReplicaLoad]:
     """:func:`replica_loads` over the store's calls (read from ``_LOOKBACK_US`` before the
-    window, so that a call ending in it is seen)."""
+    earliest window, so that a call ending in it is seen). ``t_from_us``: one window's start,
+    or several nested windows' starts ending at ``t_to_us`` (:func:`widest_needed` picks)."""
+    starts = sorted({int(t_from_us)} if isinstance(t_from_us, int) else set(t_from_us))[::-1]
     reader = StoreReader(store)
     try:
-        return reader.read(
-            lambda calls: replica_loads(reader.con, calls, t_from_us, t_to_us),
-            t_from_us - _LOOKBACK_US,
+        by_window = reader.read(
+            lambda calls: [replica_loads(reader.con, calls, lo, t_to_us) for lo in starts],
+            starts[-1] - _LOOKBACK_US,
             t_to_us,
         )
     finally:
         reader.close()
+    return widest_needed(by_window, min_calls)

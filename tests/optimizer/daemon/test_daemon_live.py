@@ -147,10 +147,43 @@ async def test_an_engine_restarted_slower_is_corrected_within_a_bounded_number_o
 @pytest.mark.timeout(60)
 async def test_a_replica_with_too_few_calls_teaches_nothing(tmp_path: Path) -> None:
     _profiles(tmp_path)
-    _traffic(tmp_path, 200.0, rate=0.4)  # 16 calls a 40 s window: too few to trust
+    # 0.1 calls/s: 16 calls even over the widest window (4 x 40 s): too few to trust
+    _traffic(tmp_path, 400.0, rate=0.1)
     clock = FakeClock(T0 + 100)
     daemon = Daemon(_settings(tmp_path, apply=False), _backend(), clock=clock)
-    for _ in range(4):
+    for _ in range(12):
         assert (await daemon.tick()).live_points == ()
         clock.t += 20
     assert [p for p in load_points(tmp_path) if p.source == "live"] == []
+
+
+@pytest.mark.timeout(60)
+async def test_a_slow_replica_is_read_over_a_longer_window(tmp_path: Path) -> None:
+    """0.4 calls/s gives 15 calls in the 40 s window (too few) and 31 in one twice as long:
+    the point comes from the doubled window, at the rate the replica served."""
+    _profiles(tmp_path)
+    _traffic(tmp_path, 400.0, rate=0.4, latency=1.5)
+    backend = _backend()
+    backend.replicas["llama-0"] = replace(backend.replicas["llama-0"], started_at=T0 - 60)
+    clock = FakeClock(T0 + 200)
+    daemon = Daemon(_settings(tmp_path, apply=False), backend, clock=clock)
+    (point,) = (await daemon.tick()).live_points
+    assert point.n_calls == 31 and point.throughput == pytest.approx(0.4, rel=0.05)
+    assert point.lat_mean == pytest.approx(1.5)
+
+
+@pytest.mark.timeout(60)
+async def test_a_longer_window_never_reaches_before_the_replica_started(tmp_path: Path) -> None:
+    """Seen first at T0 + 100 s: the doubled window holds enough calls only once it begins
+    after that, 80 s later."""
+    _profiles(tmp_path)
+    _traffic(tmp_path, 400.0, rate=0.4)
+    clock = FakeClock(T0 + 100)
+    daemon = Daemon(_settings(tmp_path, apply=False), _backend(), clock=clock)
+    learned_at = None
+    for _ in range(8):
+        if (await daemon.tick()).live_points:
+            learned_at = clock.t - T0
+            break
+        clock.t += 20
+    assert learned_at == 180

@@ -103,3 +103,24 @@ def test_calls_of_the_first_half_still_open_at_the_end(tmp_path: Path) -> None:
     _write(tmp_path, rows)
     (a,) = replica_loads_store(tmp_path, 100 * S, 110 * S)
     assert (a.started, a.finished, a.open_early, a.finished_late) == (5, 1, 2, 0)
+
+
+def test_each_replica_is_read_over_the_shortest_window_with_enough_calls(tmp_path: Path) -> None:
+    rows = [_row("m", "http://busy", 100 + 0.5 * i, 100.2 + 0.5 * i) for i in range(80)]
+    rows += [_row("m", "http://slow", 100 + 4 * i, 101 + 4 * i) for i in range(10)]
+    rows += [_row("m", "http://idle", 131, 132)]
+    _write(tmp_path, rows)
+    loads = {
+        ld.upstream: ld
+        for ld in replica_loads_store(tmp_path, (130 * S, 100 * S), 140 * S, min_calls=5)
+    }
+    busy, slow, idle = loads["http://busy"], loads["http://slow"], loads["http://idle"]
+    assert (busy.window_s, busy.finished) == (10.0, 20)  # enough in the shortest
+    assert (slow.window_s, slow.finished) == (40.0, 10)  # 2 in the shortest: the longer one
+    assert (idle.window_s, idle.finished) == (10.0, 1)  # never enough: the shortest
+
+
+def test_one_window_start_reads_as_before(tmp_path: Path) -> None:
+    _write(tmp_path, [_row("m", "http://a", 100 + i, 100.5 + i) for i in range(3)])
+    one = replica_loads_store(tmp_path, 100 * S, 110 * S, min_calls=20)
+    assert one == replica_loads_store(tmp_path, (100 * S,), 110 * S)
