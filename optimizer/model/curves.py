@@ -37,7 +37,9 @@ Invariants:
   raises it to the throughput it sustained. A *saturated* live point (its window overloaded:
   offered above throughput, :mod:`optimizer.model.live`) says what the replica serves when it
   cannot keep up: their median throughput below ``T_m`` slows the curve (in time) to reach
-  ``T_m`` there, if the other points do not slow it more; its latency (a queue's) is not read.
+  ``T_m`` there, if the other points do not slow it more and none of the key kept up with as
+  much or more (then the reading is a window that fell behind near the knee, and the points
+  that kept up say the speed); its latency (a queue's) is not read.
   The corrected curve says how many live points made
   it (``corrected_by``) and their speed (``speed``). Live points of a model with no replayed curve
   make no curve; without live points every curve is exactly the replayed one. The blend is
@@ -212,8 +214,11 @@ class Profile:
         if following:
             speed = statistics.median(self.speed_at(p.throughput, p.lat_mean) for p in following)
         if saturated:  # it served this much while it could not keep up: T_m is no more
-            cap = statistics.median(p.throughput for p in saturated) / self.saturation
-            speed = min(speed, max(MIN_FACTOR, cap))
+            served = statistics.median(p.throughput for p in saturated)
+            # ... unless it kept up with more elsewhere: a window that fell behind near the
+            # knee (a burst, a backlog left by a restart) under-reads what it can serve
+            if all(p.throughput < served for p in following):
+                speed = min(speed, max(MIN_FACTOR, served / self.saturation))
         if speed <= 1.0:
             got = self._timed(speed)
         elif following:

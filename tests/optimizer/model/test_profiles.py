@@ -263,6 +263,18 @@ def test_saturated_readings_cap_t_m_and_a_slower_curve_follows() -> None:
     assert ProfileBook([*mm1(), above]).lookup("gen", 1, 1.0).saturation >= 12.0
 
 
+def test_a_saturated_reading_never_caps_t_m_below_a_rate_the_replica_kept_up_with() -> None:
+    """Replay T_m 10; the replica kept up at 6 calls/s (a slower curve, speed 0.7) and fell
+    behind once serving 4: T_m stays at the speed's 7, at least the 6 it sustained."""
+    sat = replace(live(4.0, 1.0), offered_rate=6.0, lat_mean=9.0)
+    kept = at_speed(6.0, 0.7, t=1001.0)
+    got = ProfileBook([*mm1(), sat, kept]).lookup("gen", 1, 1.0)
+    assert got.speed == pytest.approx(0.7, rel=0.05) and got.saturation >= 6.0
+    # a rate kept up with below the saturated reading leaves the cap where it was
+    low = ProfileBook([*mm1(), sat, at_speed(1.0, 0.9, t=1001.0)]).lookup("gen", 1, 1.0)
+    assert low.saturation == pytest.approx(4.0 * (1 + 1e-6), rel=1e-3)
+
+
 def test_the_median_reading_wins_over_one_outlier() -> None:
     pts = [at_speed(2.0, 0.8, t=1000.0), at_speed(3.0, 0.8, t=1001.0), live(2.5, 30.0, t=1002.0)]
     assert ProfileBook([*mm1(), *pts]).lookup("gen", 1, 1.0).speed == pytest.approx(0.8, rel=0.05)
