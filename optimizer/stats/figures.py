@@ -45,8 +45,9 @@ Invariants:
   request is not completed (under overload this is what keeps the arrival rate and the
   completed requests honest); it feeds nothing else;
 - a request arrives at its first call's start and counts only if that start lies in the window;
-  it is *completed* when none of its calls still runs and its last call ended by
-  ``t_to - settle``; only completed requests feed per-request figures;
+  it is *completed* when none of its calls still runs, its last call ended by
+  ``t_to - settle`` and none of them ended with a status outside 2xx (a failed request is
+  an arrival, not a served request); only completed requests feed per-request figures;
 - times in the output are seconds; nothing here opens files or runs SQL (:mod:`optimizer.stats.reader` does);
 - a null ``model`` is reported under the name ``""``.
 """

@@ -29,8 +29,11 @@ Invariants (DESIGN §3.4):
   completed. Open rows feed nothing else (matching them decodes ``call_id``, paid only when
   the store holds any);
 - a request arrives at its first call's start and counts only if that lies in
-  ``[t_from, t_to - settle)``; it is completed when no call of it is still running and its
-  last call ended by ``t_to - settle``;
+  ``[t_from, t_to - settle)``; it is completed when no call of it is still running, its
+  last call ended by ``t_to - settle`` and none of its calls (at its last attempt) ended
+  with a status outside 2xx: a request with a failed call is no served request (a dead or
+  restarting replica's quick 502s, and the client's retries after its back-off, would read
+  as extra calls and tool time); it still counts as an arrival;
 - the sample is a pure function of the request keys and each workflow's numbers of calls
   and requests (the same store gives the same sample); it holds every request when all of
   them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets and
@@ -226,7 +229,8 @@ def _call_table(con: duckdb.DuckDBPyConnection, t: _Names) -> bool:
         SELECT CASE WHEN b.request_id IS NULL THEN NULL
                     ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
                hash(coalesce(b.workflow, ''), b.model) AS pk, b.t_start, b.t_end,
-               b.prompt_tokens, b.completion_tokens{ck}
+               b.prompt_tokens, b.completion_tokens,
+               coalesce(b.status NOT BETWEEN 200 AND 299, false) AS bad{ck}
         FROM {t.raw} b {dedup}
     """)
     return has_open
@@ -274,9 +278,9 @@ def _request_table(
         # A request with a call still running arrives at its first start, whichever row
         # holds it, and is not completed.
         source = f"""
-            SELECT rk, pk, t_start, t_end, false AS open FROM {t.c}
+            SELECT rk, pk, t_start, t_end, bad, false AS open FROM {t.c}
             WHERE rk IS NOT NULL AND t_end IS NOT NULL
-            UNION ALL SELECT rk, pk, t_start, NULL, true FROM {t.o}"""
+            UNION ALL SELECT rk, pk, t_start, NULL, false, true FROM {t.o}"""
         done += " AND NOT open"
         is_open, calls = "bool_or(open) AS open", "count(t_end)"
     else:
@@ -285,10 +289,10 @@ def _request_table(
     con.execute(f"""
         CREATE TEMP TABLE {t.r} AS
         SELECT *, coalesce({arrive}, false) AS arrived,
-               coalesce({arrive} AND {done}, false) AS complete
+               coalesce({arrive} AND {done} AND NOT failed, false) AS complete
         FROM (SELECT rk, any_value(pk) AS pk, min(t_start) AS t0, max(t_end) AS t1,
                      max(t_start) AS s1, sum(t_end - t_start)::BIGINT AS dur,
-                     {calls} AS calls, {is_open}
+                     {calls} AS calls, bool_or(bad) AS failed, {is_open}
               FROM ({source}) GROUP BY rk)
     """)
 

@@ -29,6 +29,7 @@ def call(
     attempt: int = 0,
     prompt: int | None = 10,
     completion: int | None = 5,
+    status: int | None = 200,
 ) -> Row:
     """One record row; times in seconds from 0 (stored as microseconds)."""
     return CallRecord(
@@ -39,7 +40,7 @@ def call(
         model=model,
         endpoint="/v1/chat/completions",
         attempt=attempt,
-        status=200,
+        status=status,
         t_start=round(start_s * S),
         t_end=None if end_s is None else round(end_s * S),
         prompt_tokens=prompt,

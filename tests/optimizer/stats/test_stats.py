@@ -318,6 +318,27 @@ def test_everything_is_exact_when_all_calls_fit_under_the_cap(write_store: Write
     assert all(wf.union_requests == wf.requests for wf in stats.values())
 
 
+def test_a_request_with_a_failed_call_arrives_but_is_no_served_request(write_store: Write) -> None:
+    """R2's generation hit a restarting replica: two quick 502s, the client's back-off, then a
+    200. Counted as served, R2 would read as 3 gen calls and 2.5 s of tool time."""
+    rows = [
+        call("w", "R1", "emb", 0, 0.1),
+        call("w", "R1", "gen", 0.1, 2.1),
+        call("w", "R2", "emb", 1, 1.1),
+        call("w", "R2", "gen", 1.1, 1.15, status=502),
+        call("w", "R2", "gen", 1.9, 1.95, status=502),
+        call("w", "R2", "gen", 3.5, 5.5),
+        # a proxy retry is one logical call: its last attempt decides
+        call("w", "R3", "emb", 6, 6.1),
+        call("w", "R3", "gen", 6.1, 6.2, call_id="g3", attempt=0, status=502),
+        call("w", "R3", "gen", 6.1, 8.1, call_id="g3", attempt=1),
+    ]
+    wf = summarise_store(write_store(rows))["w"]
+    assert (wf.requests, wf.arrivals) == (2, 3)
+    assert wf.models["gen"].n == pytest.approx(1.0)
+    assert wf.latency_mean == pytest.approx(2.1) and wf.tool_time_mean == pytest.approx(0.0)
+
+
 def test_a_workflow_with_every_request_still_running_keeps_its_arrivals(write_store: Write) -> None:
     """No request completed in the window (all outlast it): the workflow is still there, with
     the arrivals its open rows show and no per-request figure."""
