@@ -20,8 +20,10 @@ Invariants:
 - rows without an upstream (refused before any replica was picked) are left out;
 - a replica's load is that of the shortest of the nested windows with ``min_calls`` finished
   calls, else of the shortest window it appears in: a slow or lightly used replica still yields
-  a figure (over a longer span) where a busy one keeps the freshest; the choice depends on the
-  replica's own counts only;
+  a figure (over a longer span) where a busy one keeps the freshest; a longer window is read
+  only while a replica of the shorter one is short of calls (one that served nothing in the
+  shortest window is not looked for further back); the choice depends on the replicas'
+  own counts only;
 - the connection is closed whatever happens; a segment found unreadable is skipped
   (``StoreReader.read``).
 """
@@ -145,12 +147,17 @@ def replica_loads_store(
     or several nested windows' starts ending at ``t_to_us`` (:func:`widest_needed` picks)."""
     starts = sorted({int(t_from_us)} if isinstance(t_from_us, int) else set(t_from_us))[::-1]
     reader = StoreReader(store)
+
+    def nested(calls: duckdb.DuckDBPyRelation) -> list[list[ReplicaLoad]]:
+        out = [replica_loads(reader.con, calls, starts[0], t_to_us)]
+        for lo in starts[1:]:  # a longer window only while a replica is short of calls
+            if all(ld.finished >= min_calls for ld in out[-1]):
+                break
+            out.append(replica_loads(reader.con, calls, lo, t_to_us))
+        return out
+
     try:
-        by_window = reader.read(
-            lambda calls: [replica_loads(reader.con, calls, lo, t_to_us) for lo in starts],
-            starts[-1] - _LOOKBACK_US,
-            t_to_us,
-        )
+        by_window = reader.read(nested, starts[-1] - _LOOKBACK_US, t_to_us)
     finally:
         reader.close()
     return widest_needed(by_window, min_calls)

@@ -124,3 +124,11 @@ def test_one_window_start_reads_as_before(tmp_path: Path) -> None:
     _write(tmp_path, [_row("m", "http://a", 100 + i, 100.5 + i) for i in range(3)])
     one = replica_loads_store(tmp_path, 100 * S, 110 * S, min_calls=20)
     assert one == replica_loads_store(tmp_path, (100 * S,), 110 * S)
+
+
+def test_a_longer_window_is_read_only_for_a_replica_short_of_calls(tmp_path: Path) -> None:
+    rows = [_row("m", "http://busy", 100 + 0.5 * i, 100.2 + 0.5 * i) for i in range(80)]
+    rows += [_row("m", "http://gone", 101, 102)]  # served nothing in the shortest window
+    _write(tmp_path, rows)
+    got = replica_loads_store(tmp_path, (130 * S, 100 * S), 140 * S, min_calls=5)
+    assert [(ld.upstream, ld.window_s) for ld in got] == [("http://busy", 10.0)]
