@@ -46,8 +46,9 @@ Invariants:
   completed requests honest); it feeds nothing else;
 - a request arrives at its first call's start and counts only if that start lies in the window;
   it is *completed* when none of its calls still runs, its last call ended by
-  ``t_to - settle`` and none of them ended with a status outside 2xx (a failed request is
-  an arrival, not a served request); only completed requests feed per-request figures;
+  ``t_to - settle`` and none of them failed on the serving side (5xx, 408, 429, 499: a
+  failed request is an arrival, not a served request); only completed requests feed
+  per-request figures;
 - times in the output are seconds; nothing here opens files or runs SQL (:mod:`optimizer.stats.reader` does);
 - a null ``model`` is reported under the name ``""``.
 """

@@ -30,10 +30,11 @@ Invariants (DESIGN §3.4):
   the store holds any);
 - a request arrives at its first call's start and counts only if that lies in
   ``[t_from, t_to - settle)``; it is completed when no call of it is still running, its
-  last call ended by ``t_to - settle`` and none of its calls (at its last attempt) ended
-  with a status outside 2xx: a request with a failed call is no served request (a dead or
-  restarting replica's quick 502s, and the client's retries after its back-off, would read
-  as extra calls and tool time); it still counts as an arrival;
+  last call ended by ``t_to - settle`` and none of its calls (at its last attempt) failed
+  on the serving side (a 5xx, 408, 429, or 499: the client hung up): a request with a failed
+  call is no served request (a dead or restarting replica's quick 502s, and the client's
+  retries after its back-off, would read as extra calls and tool time); it still counts as
+  an arrival. A client's own mistake (another 4xx) is an answer, and its request goes on;
 - the sample is a pure function of the request keys and each workflow's numbers of calls
   and requests (the same store gives the same sample); it holds every request when all of
   them hold at most ``union_cap`` calls, and at least one of each workflow's. Budgets and
@@ -230,7 +231,7 @@ def _call_table(con: duckdb.DuckDBPyConnection, t: _Names) -> bool:
                     ELSE hash(coalesce(b.workflow, ''), b.request_id) END AS rk,
                hash(coalesce(b.workflow, ''), b.model) AS pk, b.t_start, b.t_end,
                b.prompt_tokens, b.completion_tokens,
-               coalesce(b.status NOT BETWEEN 200 AND 299, false) AS bad{ck}
+               coalesce(b.status >= 500 OR b.status IN (408, 429, 499), false) AS bad{ck}
         FROM {t.raw} b {dedup}
     """)
     return has_open

@@ -332,10 +332,13 @@ def test_a_request_with_a_failed_call_arrives_but_is_no_served_request(write_sto
         call("w", "R3", "emb", 6, 6.1),
         call("w", "R3", "gen", 6.1, 6.2, call_id="g3", attempt=0, status=502),
         call("w", "R3", "gen", 6.1, 8.1, call_id="g3", attempt=1),
+        # a client's own mistake is an answer: R4 goes on and is served
+        call("w", "R4", "gen", 9, 9.1, status=400),
+        call("w", "R4", "gen", 9.1, 11.1),
     ]
     wf = summarise_store(write_store(rows))["w"]
-    assert (wf.requests, wf.arrivals) == (2, 3)
-    assert wf.models["gen"].n == pytest.approx(1.0)
+    assert (wf.requests, wf.arrivals) == (3, 4)
+    assert wf.models["gen"].n == pytest.approx(4 / 3)
     assert wf.latency_mean == pytest.approx(2.1) and wf.tool_time_mean == pytest.approx(0.0)
 
 

@@ -57,8 +57,9 @@ def _trace(rng: random.Random) -> list[Row]:
                     call(wf, rid, model, start, end, call_id=f"x{i}-{j}", attempt=1, prompt=prompt)
                 )
             else:
-                # a failed call (an upstream's 5xx, a client's 4xx or hang-up) fails its request
-                status = rng.choice([502, 429, 499]) if rng.random() < 0.05 else 200
+                # a call failed on the serving side (5xx, 408, 429, 499) fails its request; a
+                # client's own mistake (another 4xx) does not
+                status = rng.choice([502, 429, 499, 400, 422]) if rng.random() < 0.08 else 200
                 rows.append(call(wf, rid, model, start, end, prompt=prompt, status=status))
                 if end is not None and rng.random() < 0.15:  # announced while it ran
                     rows.append(CallRecord(*rows[-1]).opened())
@@ -142,7 +143,7 @@ def _reference(rows: list[Row], window: Window) -> dict[str, dict[str, Any]]:
         for k in arrived
         if k not in running
         and (hi is None or max(c["t_end"] for c in by_req[k]) <= hi)
-        and all(200 <= c["status"] < 300 for c in by_req[k])
+        and not any(c["status"] >= 500 or c["status"] in (408, 429, 499) for c in by_req[k])
     }
     for wf, doc in out.items():
         reqs = [v for (w, _), v in done.items() if w == wf]
