@@ -165,11 +165,9 @@ def replica_window(
         return None
     now_us = round(now * US)
     hi = now_us - round(cfg.settle_s * US)
-    starts = sorted(
-        {max(now_us - round(k * cfg.window_s * US), data_start_us) for k in LIVE_WIDENING}
-    )
-    starts = [lo for lo in starts if lo < hi]
-    return (tuple(starts[::-1]), hi) if starts else None
+    starts = {max(now_us - round(k * cfg.window_s * US), data_start_us) for k in LIVE_WIDENING}
+    kept = tuple(sorted(lo for lo in starts if lo < hi))  # replica_loads_store orders them
+    return (kept, hi) if kept else None
 
 
 @dataclass(frozen=True)
