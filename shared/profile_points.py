@@ -7,11 +7,16 @@ file carried between clusters all produce them; the optimizer stores them and fi
 Provenance: ``source`` says who measured a point: ``"replay"`` (a profiler or the simulator
 replaying a trace) or ``"live"`` (the daemon, from what a serving replica did over one window,
 :mod:`optimizer.model.live`); ``observed_at`` is a live point's window end (epoch seconds, 0 for
-replay points) and ``n_calls`` the sample size. ``colocation`` says what shared the GPU while a
+replay points) and ``n_calls`` the sample size. ``completion_tokens`` is the mean completion
+(output) tokens per call the engine reported over the point's calls (0 for embeddings and
+rerank, about 1 for a verifier that scores with one token; negative: not recorded). It says what
+bounds the model's steps: a call that emits at most a token is one prefill, compute-bound; a
+generating call streams the weights once per token (:mod:`optimizer.model.shares` reads it as
+the model's *kind*). ``colocation`` says what shared the GPU while a
 replay point was measured: ``"alone"`` (nothing else ran on its GPUs), ``"packed"`` (as many busy
 copies of the same key as fill the GPU, each offered the same rate: how an allocation packs
 fractions) or ``""`` (not recorded). All three default, so files and tables written before they
-existed still load as replay points of unrecorded colocation.
+existed still load as replay points of unrecorded colocation and completion tokens.
 
 Invariants: points travel as ``{"points": [...]}`` JSON; :func:`import_json` refuses a point
 with ``tp < 1``, a share outside ``(0, 1]``, a negative rate or an unknown ``source`` or
@@ -56,6 +61,7 @@ class ProfilePoint:
     source: str = "replay"  # "replay" | "live" (see the module docstring)
     observed_at: float = 0.0  # epoch seconds of a live point's window end
     colocation: str = ""  # "alone" | "packed" | "" (not recorded; see the module docstring)
+    completion_tokens: float = -1.0  # mean per call; negative: not recorded
 
     @property
     def key(self) -> ProfileKey:

@@ -278,6 +278,12 @@ def _point(job: ProfileJob, call_rate: float, seed: int, scale: float = 1.0) -> 
         ttft_mean=float(np.mean(ttft)) if ttft else 0.0,
         n_calls=len(started),
         colocation="alone" if k == 1 else "packed",
+        # as an engine's usage reports them: every input's output (0 for embed and rerank)
+        completion_tokens=(
+            float(np.mean([c.call.output_tokens * len(c.call.inputs) for c in started]))
+            if started
+            else -1.0
+        ),
     )
     se = (
         float(np.std([b.mean() for b in np.array_split(lat, 10)], ddof=1) / math.sqrt(10))

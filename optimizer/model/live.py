@@ -178,6 +178,7 @@ def _point(
         n_calls=load.finished,
         source="live",
         observed_at=load.t_to_us / 1e6,
+        completion_tokens=_or(load.completion_tokens_mean, -1.0),
     )
 
 

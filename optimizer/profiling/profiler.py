@@ -181,8 +181,10 @@ class Replayer:
                 else:
                     data = await resp.read()
                 end = loop.time()
-                prompt, cached = usage_tokens(data, c.stream)
-                return CallTiming(sent, first if c.stream else end, end, True, None, prompt, cached)
+                prompt, cached, completion = usage_tokens(data, c.stream)
+                return CallTiming(
+                    sent, first if c.stream else end, end, True, None, prompt, cached, completion
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
             now = loop.time()
             return CallTiming(sent, now, now, False, f"{type(exc).__name__}: {exc}")
@@ -220,9 +222,10 @@ class Replayer:
 _USAGE_TAIL = 4096  # bytes of a stream's end kept: its usage event and [DONE]
 
 
-def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None]:
-    """(prompt tokens, cached prompt tokens) from a response body, or a stream's last bytes
-    (its last event that carries usage); None where the engine did not report them."""
+def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None, int | None]:
+    """(prompt tokens, cached prompt tokens, completion tokens) from a response body, or a
+    stream's last bytes (its last event that carries usage); None where the engine did not
+    report them."""
     doc: object = None
     try:
         if not stream:
@@ -230,21 +233,22 @@ def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None]:
         else:
             at = data.rfind(b'"usage"')
             if at < 0:
-                return None, None
+                return None, None, None
             start = data.rfind(b"data:", 0, at)
             stop = data.find(b"\n", at)
             doc = orjson.loads(data[start + 5 : stop if stop >= 0 else len(data)])
     except orjson.JSONDecodeError:
-        return None, None
+        return None, None, None
     usage = doc.get("usage") if isinstance(doc, dict) else None
     if not isinstance(usage, dict):
-        return None, None
-    prompt = usage.get("prompt_tokens")
+        return None, None, None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (
         prompt if isinstance(prompt, int) else None,
         cached if isinstance(cached, int) else None,
+        completion if isinstance(completion, int) else None,
     )
 
 

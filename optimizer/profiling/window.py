@@ -15,7 +15,7 @@ are in model time, wall x ``speedup``); a point "keeps up" here exactly when
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +85,7 @@ class CallTiming:
     error: str | None = None
     prompt_tokens: int | None = None  # as the engine's usage reported them (None: it did not)
     cached_tokens: int | None = None  # of those, found in its prefix cache
+    completion_tokens: int | None = None  # the call's output, as its usage reported it
 
 
 # A point's prefix-hit rate may depart from the trace's by this much (absolute: 0.10 is 75%
@@ -179,8 +180,15 @@ def summarise_point(
         ttft_mean=float(ttft.mean()) if ttft.size else math.inf,
         n_calls=sum(1 for t in sent_at if t_w <= t < t_e),
         colocation="alone",  # the profiled replica runs by itself on its GPUs
+        completion_tokens=_mean_reported(c.completion_tokens for c in measured),
     )
     return point, sum(1 for c in timings if not c.ok and c.end is not None)
+
+
+def _mean_reported(values: Iterable[int | None]) -> float:
+    """The mean of the values an engine reported; -1 (not recorded) where it reported none."""
+    got = [v for v in values if v is not None]
+    return sum(got) / len(got) if got else -1.0
 
 
 def saturation_reason(

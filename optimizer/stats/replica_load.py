@@ -11,6 +11,7 @@ none finished.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -33,6 +34,8 @@ class ReplicaLoad:
     lat_mean_late: float  # ... and in the second half (nan where none)
     open_early: int  # logical calls started in the first half and not ended by the window's end
     finished_late: int  # of ``finished``, those that ended in the window's second half
+    # mean completion tokens of the finished calls whose usage was reported (nan: none was)
+    completion_tokens_mean: float = math.nan
 
     @property
     def window_s(self) -> float:

@@ -16,7 +16,8 @@ Invariants:
   completions: at a steady load as many as started); ``open_early`` counts logical calls that
   started in the window's first half and had not ended (any status) by its end: calls waiting
   in a queue, where a slowdown in the window's last seconds leaves none; ``finished_late``
-  those of ``finished`` that ended in its second half;
+  those of ``finished`` that ended in its second half; ``completion_tokens_mean`` is over the
+  finished calls whose engine reported usage (``nan`` where none did);
 - rows without an upstream (refused before any replica was picked) are left out;
 - a replica's load is that of the shortest of the nested windows with ``min_calls`` finished
   calls, else of the shortest window it appears in: a slow or lightly used replica still yields
@@ -60,7 +61,7 @@ def replica_loads(
                 SELECT call_id, max(coalesce(attempt, 0)) AS top FROM {view} GROUP BY call_id),
             c AS (
                 SELECT b.model, b.upstream, b.call_id, b.status, b.t_start, b.t_first_byte,
-                       b.t_end
+                       b.t_end, b.completion_tokens
                 FROM {view} b JOIN top x
                   ON b.call_id = x.call_id AND coalesce(b.attempt, 0) = x.top
                 WHERE b.upstream IS NOT NULL AND b.model IS NOT NULL),
@@ -70,7 +71,7 @@ def replica_loads(
             SELECT k.model, k.upstream,
                    coalesce(s.started, 0), coalesce(d.finished, 0), d.lat_mean, d.p50, d.p90,
                    d.p99, d.ttft, d.early, d.late, coalesce(s.open_early, 0),
-                   coalesce(d.finished_late, 0)
+                   coalesce(d.finished_late, 0), d.completion
             FROM (SELECT DISTINCT model, upstream FROM c
                   WHERE (t_start >= {lo} AND t_start < {hi})
                      OR (t_end >= {lo} AND t_end < {hi})) k
@@ -88,7 +89,8 @@ def replica_loads(
                               avg(lat) FILTER (WHERE t_start >= {lo} AND t_start < {mid})
                                 AS early,
                               avg(lat) FILTER (WHERE t_start >= {mid}) AS late,
-                              count(*) FILTER (WHERE t_end >= {mid}) AS finished_late
+                              count(*) FILTER (WHERE t_end >= {mid}) AS finished_late,
+                              avg(completion_tokens) AS completion
                        FROM done GROUP BY ALL) d
               USING (model, upstream)
             ORDER BY k.model, k.upstream
@@ -112,8 +114,24 @@ def replica_loads(
             lat_mean_late=_f(late),
             open_early=int(open_early),
             finished_late=int(finished_late),
+            completion_tokens_mean=_f(completion),
         )
-        for m, u, started, finished, mean, p50, p90, p99, ttft, early, late, open_early, finished_late in rows
+        for (
+            m,
+            u,
+            started,
+            finished,
+            mean,
+            p50,
+            p90,
+            p99,
+            ttft,
+            early,
+            late,
+            open_early,
+            finished_late,
+            completion,
+        ) in rows
     ]
 
 

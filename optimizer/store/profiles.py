@@ -8,9 +8,10 @@ Invariants:
 - saving live points never deletes a replay point; per key it keeps the newest ``LIVE_KEEP``
   live points no older than ``LIVE_MAX_AGE_S`` before the key's newest (by ``observed_at``),
   so a replica's recent behaviour corrects its curve and an old one ages out;
-- a table written before points had provenance (no ``source``/``observed_at``/``colocation``
-  columns) is migrated on the next write (columns added with their defaults: replay, 0, "")
-  and read as replay points of unrecorded colocation until then;
+- a table written before points had provenance (no ``source``/``observed_at``/``colocation``/
+  ``completion_tokens`` columns) is migrated on the next write (columns added with their
+  defaults: replay, 0, "", -1) and read as replay points of unrecorded colocation and tokens
+  until then;
 - the database is opened only for the duration of one call, read-write only to write, so the
   daemon, the CLI and a profiler can take turns; async callers use the ``*_async`` wrappers,
   which run in a thread.
@@ -42,7 +43,12 @@ _SQL_TYPES = {
     "colocation": "VARCHAR",
 }
 # of columns added after the first
-_DEFAULTS = {"source": "'replay'", "observed_at": "0.0::DOUBLE", "colocation": "''"}
+_DEFAULTS = {
+    "source": "'replay'",
+    "observed_at": "0.0::DOUBLE",
+    "colocation": "''",
+    "completion_tokens": "-1.0::DOUBLE",
+}
 _CREATE = (
     "CREATE TABLE IF NOT EXISTS profile ("
     + ", ".join(f"{c} {_SQL_TYPES.get(c, 'DOUBLE')}" for c in _COLUMNS)

@@ -364,6 +364,12 @@ def test_the_demo_profiles_command_writes_simulated_points_of_every_demo_model(
         # a quarter is measured next to three busy copies and alone; alone it is never slower
         assert ends["alone"].saturation >= 0.95 * measured.saturation
     assert {p.colocation for p in whole_gpu} == {"alone"}
+    # each point says what its calls emit, as an engine's usage would: nothing for an
+    # embedding or a rerank, one token for the verifier's score, the generators' answers
+    tokens = {p.model: p.completion_tokens for p in whole_gpu}
+    assert tokens["e5-base-v2"] == tokens["bge-reranker-base"] == 0.0
+    assert tokens["llama-3.1-8b-prm"] == 1.0
+    assert tokens["llama-3.2-1b"] > 1.0 and tokens["llama-3-8b"] > 1.0
 
 
 def test_the_profiles_command_refuses_a_share_outside_0_1() -> None:

@@ -66,6 +66,9 @@ def test_a_good_window_makes_one_live_point_of_the_replica_key() -> None:
     assert p.offered_rate == p.throughput == pytest.approx(100 / 40)
     assert (p.lat_mean, p.lat_p50, p.lat_p90, p.lat_p99, p.ttft_mean) == (0.6, 0.55, 0.9, 1.2, 0.1)
     assert (p.n_calls, p.source, p.observed_at) == (100, "live", T0 + 40)
+    assert p.completion_tokens < 0  # the engine reported no usage: not recorded
+    (q,) = _points(_load(completion_tokens_mean=42.0))
+    assert q.completion_tokens == 42.0
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from optimizer.profiling.window import (
     Target,
     hit_rate,
     hit_rate_departure,
+    summarise_point,
 )
 from shared.profile_points import ProfilePoint, import_json
 from shared.records import CallRecord
@@ -61,18 +62,24 @@ def test_the_tag_opens_the_prompt_and_asks_streams_for_usage() -> None:
 
 def test_usage_is_read_from_a_body_and_from_a_streams_last_event() -> None:
     body = orjson.dumps(
-        {"usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}
+        {
+            "usage": {
+                "prompt_tokens": 40,
+                "completion_tokens": 7,
+                "prompt_tokens_details": {"cached_tokens": 32},
+            }
+        }
     )
-    assert usage_tokens(body, False) == (40, 32)
+    assert usage_tokens(body, False) == (40, 32, 7)
     stream = (
         b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
-        b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":'
-        b'{"cached_tokens":0}}}\n\ndata: [DONE]\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,'
+        b'"prompt_tokens_details":{"cached_tokens":0}}}\n\ndata: [DONE]\n\n'
     )
-    assert usage_tokens(stream, True) == (9, 0)
-    assert usage_tokens(b'{"usage": {"prompt_tokens": 5}}', False) == (5, None)
-    assert usage_tokens(b"data: [DONE]\n\n", True) == (None, None)
-    assert usage_tokens(b"not json", False) == (None, None)
+    assert usage_tokens(stream, True) == (9, 0, 1)
+    assert usage_tokens(b'{"usage": {"prompt_tokens": 5}}', False) == (5, None, None)
+    assert usage_tokens(b"data: [DONE]\n\n", True) == (None, None, None)
+    assert usage_tokens(b"not json", False) == (None, None, None)
 
 
 @pytest.fixture
@@ -174,6 +181,19 @@ def test_hit_rate_counts_the_window_calls_with_usage() -> None:
     ]
     assert hit_rate(timings, (1.0, 2.0)) == pytest.approx(80 / 400)
     assert hit_rate(timings[3:], (1.0, 2.0)) is None
+
+
+def test_a_point_carries_the_completion_tokens_its_engine_reported() -> None:
+    target = Target("http://e", "m", "emulator", "a6000", 1, 1.0)
+    timings = [
+        CallTiming(1.0, 1.1, 1.2, True, None, 100, 50, 7),
+        CallTiming(1.5, 1.6, 1.7, True, None, 300, 30, 13),
+        CallTiming(1.6, 1.7, 1.8, True, None, None, None, None),  # engine reported nothing
+    ]
+    point, _ = summarise_point(target, "m", timings, (1.0, 2.0), 3.0)
+    assert point.completion_tokens == pytest.approx(10.0)
+    silent, _ = summarise_point(target, "m", timings[2:], (1.0, 2.0), 1.0)
+    assert silent.completion_tokens < 0  # not recorded
 
 
 def test_a_point_whose_hit_rate_departs_is_flagged_and_not_stored() -> None:

@@ -26,6 +26,7 @@ def _row(
     call_id: str | None = None,
     attempt: int = 0,
     ttfb: float | None = None,
+    completion: int | None = None,
 ) -> tuple[object, ...]:
     return CallRecord(
         call_id=call_id or f"r{next(_ids)}",
@@ -40,6 +41,7 @@ def _row(
         t_start=round(start * S),
         t_first_byte=None if ttfb is None else round(ttfb * S),
         t_end=None if end is None else round(end * S),
+        completion_tokens=completion,
     ).row()
 
 
@@ -54,7 +56,9 @@ def _write(store: Path, rows: list[tuple[object, ...]]) -> None:
 def test_each_replica_gets_its_own_counts_latencies_and_ttft(tmp_path: Path) -> None:
     rows = []
     for i in range(10):  # replica a: one call a second, 0.5 s each (0.1 s to first byte)
-        rows.append(_row("m", "http://a", 100 + i, 100.5 + i, ttfb=100.1 + i))
+        # its engine reported 10 or 30 completion tokens, but for one call
+        tokens = None if i == 0 else 10 + 20 * (i % 2)
+        rows.append(_row("m", "http://a", 100 + i, 100.5 + i, ttfb=100.1 + i, completion=tokens))
     for i in range(4):  # replica b: slower, 2 s
         rows.append(_row("m", "http://b", 100 + 2 * i, 102 + 2 * i))
     rows.append(_row("m", "http://b", 108.5, None))  # still running: started, not finished
@@ -70,6 +74,9 @@ def test_each_replica_gets_its_own_counts_latencies_and_ttft(tmp_path: Path) -> 
     assert a.finished_late == 5  # ended at 105.5 … 109.5
     assert (b.started, b.finished) == (6, 4)
     assert b.lat_mean == pytest.approx(2.0) and math.isnan(b.ttft_mean)
+    # tokens: over the calls whose usage was reported (five of 30, four of 10); none at b
+    assert a.completion_tokens_mean == pytest.approx(190 / 9)
+    assert math.isnan(b.completion_tokens_mean)
 
 
 def test_a_retried_call_counts_once_at_its_last_attempt(tmp_path: Path) -> None:

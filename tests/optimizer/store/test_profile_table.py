@@ -33,7 +33,10 @@ def test_an_old_table_reads_as_replay_points_and_is_migrated_on_write(tmp_path: 
     _old_table(tmp_path)
     (old,) = load_points(tmp_path)
     assert (old.source, old.observed_at, old.lat_mean, old.colocation) == ("replay", 0.0, 0.5, "")
-    fresh = ProfilePoint("m", "e", "a6000", 1, 0.5, 3, 3, 0.4, 0.4, 0.5, 0.6, 0.1, 40)
+    assert old.completion_tokens < 0  # not recorded
+    fresh = ProfilePoint(
+        "m", "e", "a6000", 1, 0.5, 3, 3, 0.4, 0.4, 0.5, 0.6, 0.1, 40, completion_tokens=12.5
+    )
     live = replace(fresh, source="live", observed_at=123.0)
     save_points(tmp_path, [live])
     got = load_points(tmp_path)
@@ -51,4 +54,4 @@ def test_an_old_table_reads_as_replay_points_and_is_migrated_on_write(tmp_path: 
         cols = {r[1] for r in con.execute("PRAGMA table_info('profile')").fetchall()}
     finally:
         con.close()
-    assert {"source", "observed_at", "colocation"} <= cols
+    assert {"source", "observed_at", "colocation", "completion_tokens"} <= cols
