@@ -9,10 +9,9 @@ replaying a trace) or ``"live"`` (the daemon, from what a serving replica did ov
 :mod:`optimizer.model.live`); ``observed_at`` is a live point's window end (epoch seconds, 0 for
 replay points) and ``n_calls`` the sample size. ``completion_tokens`` is the mean completion
 (output) tokens per call the engine reported over the point's calls (0 for embeddings and
-rerank, about 1 for a verifier that scores with one token; negative: not recorded). It says what
-bounds the model's steps: a call that emits at most a token is one prefill, compute-bound; a
-generating call streams the weights once per token (:mod:`optimizer.model.shares` reads it as
-the model's *kind*). ``colocation`` says what shared the GPU while a
+rerank, about 1 for a verifier that scores with one token; negative: not recorded): the work
+behind a point's speed, recorded beside it (the curves do not read it yet). ``colocation`` says
+what shared the GPU while a
 replay point was measured: ``"alone"`` (nothing else ran on its GPUs), ``"packed"`` (as many busy
 copies of the same key as fill the GPU, each offered the same rate: how an allocation packs
 fractions) or ``""`` (not recorded). All three default, so files and tables written before they
