@@ -200,6 +200,9 @@ class Daemon:
     _data_start_us: int | None = None
     _book_cache: tuple[int | None, ProfileBook] | None = None
     _seen_since: dict[str, float] = field(default_factory=dict)  # replica URL -> first seen ready
+    # replica URL -> where the window of its last live point ended (epoch s): the next point
+    # comes from a window after it (optimizer.model.live)
+    _learned_until: dict[str, float] = field(default_factory=dict)
     reprofile_sweep: SweepSettings | None = None  # profiling runs' sweep (None: from settings)
 
     def __post_init__(self) -> None:
@@ -371,11 +374,16 @@ class Daemon:
             self.gpu_types,
             engines,
             self.cfg.window_s / 2,
+            self._learned_until,
         )
+        running = {u.rstrip("/") for u in self._seen_since}
+        self._learned_until = {
+            u: t for u, t in self._learned_until.items() if u.rstrip("/") in running
+        } | {u: p.observed_at for u, p in points.items()}
         if points:
-            await profiles.save_points_async(self.store, points)
+            await profiles.save_points_async(self.store, list(points.values()))
             self._book_cache = None  # re-read, whatever the file's time stamp says
-        return tuple(points)
+        return tuple(points.values())
 
     async def _book(self) -> ProfileBook:
         """The stored profiles, re-read only when the database file changed."""

@@ -14,6 +14,11 @@ Invariants (trust rules; :func:`verdict` names the one a load fails):
   calls from the window's first half (an engine started before the window may have been
   loading weights through part of it);
 - at least ``MIN_CALLS`` finished calls over a window at least ``min_window_s`` long;
+- a replica's points come from disjoint windows: a load whose window begins before the end of
+  the window of the replica's last point (``learned_until``, per URL) makes none. The daemon
+  passes every few seconds over a window several passes long; overlapping windows would count
+  one burst of queueing several times over, and the book's median of a key's newest points
+  would then follow the burst instead of the replica;
 - the point's rates are those the replica served, so the curve it corrects is read at the load
   the replica actually saw; nothing here extrapolates;
 - a window is not trusted when calls started but not finished in it exceed ``MAX_BACKLOG`` of
@@ -87,15 +92,19 @@ def verdict(
     replica: Replica | None,
     seen_since: float | None,
     min_window_s: float,
+    learned_until: float | None = None,
 ) -> str | None:
     """Why ``load`` is not trusted (``None``: it is; a reason starting with ``OVERLOADED``:
-    only as a saturated point). ``seen_since``: since when the replica runs (epoch s)."""
+    only as a saturated point). ``seen_since``: since when the replica runs (epoch s);
+    ``learned_until``: where the window of the replica's last live point ended (epoch s)."""
     if replica is None:
         return "no running replica at this URL"
     if not replica.ready:
         return "replica not ready"
     if seen_since is None or seen_since > load.t_from_us / 1e6:
         return "replica started or replaced during the window"
+    if learned_until is not None and load.t_from_us / 1e6 < learned_until:
+        return "window overlaps the one of the replica's last live point"
     if load.window_s < min_window_s:
         return f"window {load.window_s:.0f} s < {min_window_s:.0f} s"
     if load.finished < MIN_CALLS:
@@ -132,27 +141,31 @@ def live_points(
     gpu_types: Mapping[str, str],
     engines: Mapping[str, str],
     min_window_s: float,
-) -> list[ProfilePoint]:
-    """The trusted loads as live points, overloaded ones as saturated points. ``seen_since``:
-    per replica URL, since when it runs (epoch s); ``gpu_types``: per node, its GPU type;
-    ``engines``: per model, the engine its replayed profile names."""
+    learned_until: Mapping[str, float] | None = None,
+) -> dict[str, ProfilePoint]:
+    """The trusted loads as live points, overloaded ones as saturated points, by replica URL
+    (without a trailing slash). ``seen_since``: per replica URL, since when it runs (epoch s);
+    ``gpu_types``: per node, its GPU type; ``engines``: per model, the engine its replayed
+    profile names; ``learned_until``: per replica URL, where the window of its last live
+    point ended (epoch s; none: no point yet)."""
     # the proxy records the route's URL as given, the settings strip a trailing slash
     by_url = {(r.model, r.url.rstrip("/")): r for r in replicas}
     since_by_url = {u.rstrip("/"): t for u, t in seen_since.items()}
-    out = []
+    until_by_url = {u.rstrip("/"): t for u, t in (learned_until or {}).items()}
+    out: dict[str, ProfilePoint] = {}
     for load in sorted(loads, key=lambda ld: (ld.model, ld.upstream)):
-        replica = by_url.get((load.model, load.upstream.rstrip("/")))
-        since = since_by_url.get(load.upstream.rstrip("/"))
+        url = load.upstream.rstrip("/")
+        replica = by_url.get((load.model, url))
         if replica is None:
             continue
-        why = verdict(load, replica, since, min_window_s)
+        why = verdict(load, replica, since_by_url.get(url), min_window_s, until_by_url.get(url))
         if why is None:
-            out.append(_point(load, replica, gpu_types, engines))
+            out[url] = _point(load, replica, gpu_types, engines)
         elif why.startswith(OVERLOADED):
             point = _point(load, replica, gpu_types, engines)
             served = max(point.throughput, load.finished_late / (load.window_s / 2))
             offered = max(load.started / load.window_s, SATURATED_OFFER * served)
-            out.append(replace(point, offered_rate=offered, throughput=served))
+            out[url] = replace(point, offered_rate=offered, throughput=served)
     return out
 
 

@@ -92,6 +92,12 @@ async def test_a_pass_saves_live_points_of_a_replica_running_the_whole_window(
     assert after.latency(2.0) == pytest.approx(0.5)
     text = daemon.metrics.exposition().decode()
     assert 'scepsy_optimizer_live_profile_points{model="llama-3-8b"} 1.0' in text
+    # the next pass's window (40 s, 20 s on) overlaps this one's: no second reading of it
+    clock.t += 20
+    assert (await daemon.tick()).live_points == ()
+    clock.t += 20
+    (again,) = (await daemon.tick()).live_points
+    assert again.observed_at == pytest.approx(point.observed_at + 40)
 
 
 @pytest.mark.timeout(60)

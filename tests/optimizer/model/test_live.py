@@ -50,7 +50,7 @@ def _load(**kw: object) -> ReplicaLoad:
 def _points(
     load: ReplicaLoad, since: float = T0 - 100, replica: _Replica | None = None
 ) -> list[ProfilePoint]:
-    return live_points(
+    got = live_points(
         [load],
         [replica or _Replica()],
         {"http://a": since},
@@ -58,6 +58,7 @@ def _points(
         {"m": "emulator"},
         min_window_s=20.0,
     )
+    return list(got.values())
 
 
 def test_a_good_window_makes_one_live_point_of_the_replica_key() -> None:
@@ -152,3 +153,25 @@ def test_a_small_backlog_and_unknown_ttft_are_still_trusted() -> None:
     (p,) = _points(_load(started=105, finished=100, ttft_mean=math.nan))
     assert p.ttft_mean == p.lat_mean
     assert live.MIN_CALLS == 20 and live.MAX_BACKLOG == 0.10
+
+
+def test_a_replica_learns_from_disjoint_windows_only() -> None:
+    """The daemon's windows overlap from pass to pass; a replica's next point comes from a
+    window that begins where its last point's window ended, or later."""
+    first = _load()
+    overlapping = _load(t_from_us=round((T0 + 10) * S), t_to_us=round((T0 + 50) * S))
+    after = _load(t_from_us=round((T0 + 40) * S), t_to_us=round((T0 + 80) * S))
+
+    def learn(load: ReplicaLoad, until: dict[str, float]) -> dict[str, ProfilePoint]:
+        return live_points(
+            [load], [_Replica()], {"http://a/": T0 - 100}, {"n0": "a6000"}, {"m": "e"}, 20.0, until
+        )
+
+    (url, p) = next(iter(learn(first, {}).items()))
+    assert url == "http://a" and p.observed_at == T0 + 40
+    assert learn(overlapping, {url: p.observed_at}) == {}
+    reason = verdict(overlapping, _Replica(), T0 - 100, 20.0, p.observed_at)
+    assert reason is not None and "overlaps" in reason
+    assert learn(after, {"http://a/": p.observed_at})["http://a"].observed_at == T0 + 80
+    # another replica's last point does not hold this one back
+    assert learn(overlapping, {"http://b": T0 + 40})
