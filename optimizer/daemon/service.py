@@ -376,10 +376,10 @@ class Daemon:
             self.cfg.window_s / 2,
             self._learned_until,
         )
+        # keyed as live_points keys its points (no trailing slash); replicas gone are forgotten
         running = {u.rstrip("/") for u in self._seen_since}
-        self._learned_until = {
-            u: t for u, t in self._learned_until.items() if u.rstrip("/") in running
-        } | {u: p.observed_at for u, p in points.items()}
+        kept = {u: t for u, t in self._learned_until.items() if u in running}
+        self._learned_until = kept | {u: p.observed_at for u, p in points.items()}
         if points:
             await profiles.save_points_async(self.store, list(points.values()))
             self._book_cache = None  # re-read, whatever the file's time stamp says
