@@ -10,12 +10,12 @@ replaying a trace) or ``"live"`` (the daemon, from what a serving replica did ov
 replay points) and ``n_calls`` the sample size. ``completion_tokens`` is the mean completion
 (output) tokens per call the engine reported over the point's calls (0 for embeddings and
 rerank, about 1 for a verifier that scores with one token; negative: not recorded): the work
-behind a point's speed, recorded beside it (the curves do not read it yet). ``colocation`` says
-what shared the GPU while a
-replay point was measured: ``"alone"`` (nothing else ran on its GPUs), ``"packed"`` (as many busy
-copies of the same key as fill the GPU, each offered the same rate: how an allocation packs
-fractions) or ``""`` (not recorded). All three default, so files and tables written before they
-existed still load as replay points of unrecorded colocation and completion tokens.
+behind a point's speed, recorded beside it (the curves do not read it yet). ``colocation``
+says what shared the GPU while a replay point was measured: ``"alone"`` (nothing else ran on
+its GPUs), ``"packed"`` (as many busy copies of the same key as fill the GPU, each offered the
+same rate: how an allocation packs fractions) or ``""`` (not recorded). All four (``source``,
+``observed_at``, ``colocation``, ``completion_tokens``) default, so files and tables written
+before they existed still load as replay points of unrecorded colocation and tokens.
 
 Invariants: points travel as ``{"points": [...]}`` JSON; :func:`import_json` refuses a point
 with ``tp < 1``, a share outside ``(0, 1]``, a negative rate or an unknown ``source`` or
