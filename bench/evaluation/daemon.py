@@ -117,22 +117,7 @@ def _gpu_ids(c: Cluster) -> dict[tuple[str, int], int]:
 
 
 def _running(group: GroupSpec, ready: bool) -> list[RunningReplica]:
-    return [
-        RunningReplica(
-            r.id,
-            group.id,
-            r.spec.model,
-            group.node,
-            r.spec.gpus,
-            r.spec.share,
-            r.spec.tp,
-            f"sim://{r.id}",
-            ready,
-            r.spec.memory_bytes_per_gpu,
-            r.spec.revision,
-        )
-        for r in group.replicas
-    ]
+    return list(group.running(lambda rid: f"sim://{rid}", ready))
 
 
 @dataclass

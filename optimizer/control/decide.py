@@ -17,15 +17,18 @@ can drive them with any sequence of windows:
    its backlog grows while it waits; and at once when the live window shows it too (requests
    slower than the baseline's by ``latency_drift_threshold``, or too few completing while
    enough arrive). An overloaded workflow is planned for its rate in the window's later half
-   when that is higher (:func:`planning_rate`: a rising rate). A confirmed change means
-   "search again".
+   when that is higher (:func:`planning_rate`: a rising rate). Once the cooldown after a
+   rollout that stopped at a plan's first serving waypoint has passed (``unfinished``:
+   :mod:`optimizer.control.transition`), the rest of the move is searched for again. A
+   confirmed change means "search again".
 2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
    allocation's and the proposal's predicted latency at the observed rate, and how much of
    the allocation the move restarts) and decides. A rollout happens only after the cooldown, and
    only when the running allocation cannot serve the traffic, or when the rate-weighted relative
    gain is at least ``min_gain`` *and* the request-seconds it saves over ``horizon_s`` outweigh
    the move's cost. The cost (assumed model): for ``cold_start_s`` the moved fraction of the
-   allocation is not serving, so that fraction of the traffic pays its current latency again.
+   allocation is not serving, so that fraction of the traffic pays its current latency again;
+   plus the backlog of the rounds that leave a workflow short (``Proposal.dip_s``).
    The cooldown does not hold a proposal that serves traffic the running allocation cannot
    (``urgent``): that backlog only grows while it waits; after a failed rollout it does (a
    backoff, not a retry loop).
@@ -79,6 +82,7 @@ ChangeKind = Literal[
     "token_drift",
     "latency_drift",
     "over_capacity",
+    "unfinished",
 ]
 DecisionKind = Literal[
     "no_data",  # no workflow has enough completed requests yet
@@ -167,6 +171,7 @@ class DetectorState:
     streaks: Mapping[str, int] = field(default_factory=dict)  # signal key -> windows in a row
     last_rollout_end: float | None = None
     last_rollout_ok: bool = True  # a failed one backs off for the whole cooldown, urgent or not
+    unfinished: bool = False  # the last rollout was a staged plan's prefix: search again later
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +231,17 @@ def detect(
         )
         return Detection(snap.t, changes, (), {}, snap)
     now: list[Change] = []
+    ended = state.last_rollout_end
+    if state.unfinished and (ended is None or snap.t - ended >= cfg.cooldown_s):
+        now.append(
+            Change(
+                "unfinished",
+                "*",
+                None,
+                math.nan,
+                "the last rollout stopped at a plan's first waypoint that serves the traffic",
+            )
+        )
     seen: list[tuple[str, Change]] = []  # (streak key, change) past a threshold this window
     for w, o in sorted(trusted.items()):
         if w not in base.workflows:
@@ -355,6 +371,10 @@ class Proposal:
     moved_fraction: float  # replicas the move starts / replicas of the proposal, in [0, 1]
     same: bool  # the proposal is what runs (its plan has no steps)
     relaxed: str = ""  # how the search relaxed its margins to cover every rate ("": it did not)
+    # request-seconds lost where the plan's rounds leave a workflow short (transition.dip_cost)
+    dip_s: float = 0.0
+    # the plan is a prefix of the search's (transition.staged): how it says so ("": whole)
+    staged: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,7 +418,7 @@ def _rebased(state: DetectorState, det: Detection, min_requests: int) -> Detecto
     )
     if kept:
         snap = replace(snap, workflows=MappingProxyType({**snap.workflows, **kept}))
-    return replace(state, baseline=snap, streaks=MappingProxyType({}))
+    return replace(state, baseline=snap, streaks=MappingProxyType({}), unfinished=False)
 
 
 def judge(
@@ -453,9 +473,11 @@ def judge(
         why = f"the running allocation cannot serve {', '.join(short)} at the observed rate"
         if not proposal.feasible and not math.isfinite(proposed):
             why += " (neither can the proposal: it serves as much as the cluster allows)"
+        staged = (proposal.staged,) if proposal.staged else ()
+        rebased = _rebased(state, det, cfg.min_requests)
         return (
-            Decision(det.t, "rollout", (*reasons, why), det.changes),
-            _rebased(state, det, cfg.min_requests),
+            Decision(det.t, "rollout", (*reasons, why, *staged), det.changes),
+            replace(rebased, unfinished=bool(proposal.staged)),
         )
     gain = (current - proposed) / current if current > 0 else 0.0
     benefit = cfg.horizon_s * sum(o.rate * (o.current - o.proposed) for o in proposal.outlook)
@@ -463,11 +485,15 @@ def judge(
         cfg.cold_start_s
         * proposal.moved_fraction
         * sum(o.rate * o.current for o in proposal.outlook)
+        + proposal.dip_s
+    )
+    dip = f", {proposal.dip_s:.3g} of it while a round leaves a workflow short" * (
+        proposal.dip_s > 0
     )
     figures = (
         f"predicted latency {current:.3g}s -> {proposed:.3g}s ({gain:+.0%}); saves "
         f"{benefit:.3g} request-s over {cfg.horizon_s:.0f}s against a move cost of "
-        f"{cost:.3g} request-s ({proposal.moved_fraction:.0%} of replicas restart)"
+        f"{cost:.3g} request-s ({proposal.moved_fraction:.0%} of replicas restart{dip})"
     )
     if gain >= cfg.min_gain and benefit > cost:
         kind: DecisionKind = "rollout"

@@ -19,7 +19,10 @@ the state to carry on, the proposal and the rollout plan):
    (:func:`optimizer.plan.planner.make_plan`; a plan that would leave a served model without a
    replica is re-tried on other layouts of the same allocation, else refused), refuse a plan
    that stops serving a model still called (in the window, or in the last :data:`RECENT_S`
-   seconds: ``StepInput.recent_models``), and judge the :class:`Proposal`. An overloaded
+   seconds: ``StepInput.recent_models``), price the plan's rounds
+   (:func:`optimizer.control.transition.first_move`: the queueing its short rounds cause; when
+   what runs cannot serve the traffic, the prefix of the plan up to a serving waypoint where
+   that costs less over the horizon), and judge the :class:`Proposal`. An overloaded
    workflow is planned for its rate in the window's later half when that is higher
    (:func:`optimizer.control.decide.planning_rate`), and for the window's rate when that
    cannot be planned (the reasons say so).
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TypeVar
 
+from optimizer.control import transition
 from optimizer.control.decide import (
     Decision,
     Detection,
@@ -304,8 +308,17 @@ def _replan(
                     "get calls from a workflow without enough requests to plan for yet",
                 )
             )
-        where = predict_placed(pipes, inp.book, placed.result, placement, rates)
-        proposal = make_proposal(placed.result, plan, seen.predicted_now, rates, where)
+        whole = predict_placed(pipes, inp.book, placed.result, placement, rates)
+        # requests that arrived in the window and did not complete: the backlog a move meets
+        backlog = {w: max(0.0, float(s.arrivals - s.requests)) for w, s in inp.stats.items()}
+        plan, where, dip, stage = transition.first_move(
+            plan, inp.observed, pipes, inp.book, rates, backlog, whole, cfg
+        )
+        proposal = replace(
+            make_proposal(placed.result, plan, seen.predicted_now, rates, where),
+            dip_s=dip,
+            staged=stage,
+        )
     except (PlanningError, ValueError) as exc:  # SearchError, ProfileError, ... are these
         return held(*failed(prior, det, f"{type(exc).__name__}: {exc}"))
     decision, detector = judge(prior, det, proposal, cfg)

@@ -440,22 +440,4 @@ def _bearable(planner: _Planner, groups: Sequence[_Old], served: set[str]) -> bo
 
 def _as_running(g: GroupSpec) -> _Old:
     """A temporary group as an old group to take down later (not ready, no URL)."""
-    return (
-        g.id,
-        tuple(
-            RunningReplica(
-                r.id,
-                g.id,
-                r.spec.model,
-                g.node,
-                r.spec.gpus,
-                r.spec.share,
-                r.spec.tp,
-                "",
-                False,
-                r.spec.memory_bytes_per_gpu,
-                r.spec.revision,
-            )
-            for r in g.replicas
-        ),
-    )
+    return g.id, g.running(lambda _rid: "")

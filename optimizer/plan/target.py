@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from optimizer.placement import Placement
+from optimizer.plan.observed import RunningReplica
 
 
 class PlanError(ValueError):
@@ -80,6 +81,34 @@ class GroupSpec:
 
     def overlaps(self, node: str, gpus: Iterable[int]) -> bool:
         return node == self.node and not set(self.gpus).isdisjoint(gpus)
+
+    def running(
+        self,
+        url: Callable[[str], str],
+        ready: bool | Sequence[bool] = False,
+        started: Sequence[float | None] = (),
+    ) -> tuple[RunningReplica, ...]:
+        """Its replicas as a backend observes them: ``url`` of a replica id; ``ready`` (all
+        of them, or each in order) and when each started (epoch s, in order; default unknown)."""
+        ok = [ready] * len(self.replicas) if isinstance(ready, bool) else list(ready)
+        since = list(started) + [None] * (len(self.replicas) - len(started))
+        return tuple(
+            RunningReplica(
+                r.id,
+                self.id,
+                r.spec.model,
+                self.node,
+                r.spec.gpus,
+                r.spec.share,
+                r.spec.tp,
+                url(r.id),
+                ok[k],
+                r.spec.memory_bytes_per_gpu,
+                r.spec.revision,
+                since[k],
+            )
+            for k, r in enumerate(self.replicas)
+        )
 
 
 def _digest(parts: Any) -> str:

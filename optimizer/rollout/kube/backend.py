@@ -176,23 +176,12 @@ class KubeBackend:
             ready = {c.get("name"): bool(c.get("ready")) for c in containers}
             started = {c.get("name"): _running_since(c) for c in containers}
             alive = not pod["metadata"].get("deletionTimestamp")
-            for k, r in enumerate(group.replicas):
-                replicas.append(
-                    RunningReplica(
-                        r.id,
-                        group.id,
-                        r.spec.model,
-                        group.node,
-                        r.spec.gpus,
-                        r.spec.share,
-                        r.spec.tp,
-                        replica_url(r.id, self.kube),
-                        alive and ready.get(f"engine-{k}", False),
-                        r.spec.memory_bytes_per_gpu,
-                        r.spec.revision,
-                        started.get(f"engine-{k}"),
-                    )
-                )
+            names = [f"engine-{k}" for k in range(len(group.replicas))]
+            replicas += group.running(
+                lambda rid: replica_url(rid, self.kube),
+                [alive and ready.get(n, False) for n in names],
+                [started.get(n) for n in names],
+            )
         return Observed(tuple(replicas), self._routes())
 
     def _routes(self) -> tuple[Route, ...]:

@@ -452,3 +452,38 @@ def test_a_proposal_found_on_relaxed_margins_says_so() -> None:
     assert "searched on point estimates: no allocation covers every rate" in " ".join(
         relaxed.reasons
     )
+
+
+def test_the_backlog_of_a_round_that_leaves_a_workflow_short_is_part_of_the_cost() -> None:
+    """The move that pays for itself (test above: 1440 request-s saved against 360) is held
+    once its rounds cost a backlog (``Proposal.dip_s``) larger than the saving."""
+    base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
+    state = DetectorState(baseline=base)
+    outlook = (Outlook("rag", 2.0, 2.0, 1.6),)
+    dipping = Proposal(outlook, True, 1.0, False, dip_s=2.0 * 90**2 / 2)
+    held, _ = judge(state, _doubled(state), dipping, CFG)
+    assert held.kind == "hold_gain" and held.cost_s == pytest.approx(360 + 8100)
+    assert "8.1e+03 of it while a round leaves a workflow short" in held.reasons[-1]
+
+
+def test_a_staged_rollout_is_searched_again_once_its_cooldown_passed() -> None:
+    base = Snapshot(0, 120, MappingProxyType({"rag": _obs(1.0, 100)}))
+    state = DetectorState(baseline=base)
+    staged = Proposal(
+        (Outlook("rag", 2.0, math.inf, 3.0),), True, 0.3, False, staged="staged: steps 1-5"
+    )
+    taken, decided = judge(state, _doubled(state), staged, CFG)
+    assert taken.kind == "rollout" and taken.reasons[-1] == "staged: steps 1-5"
+    done = after_rollout(decided, state, 100.0, ok=True)
+    assert done.unfinished
+
+    def window(t: float) -> Detection:
+        return detect(done, Snapshot(t, 120, MappingProxyType({"rag": _obs(2.0, 200)})), CFG)
+
+    assert not window(100.0 + CFG.cooldown_s - 1).act  # the same traffic, inside the cooldown
+    again = window(100.0 + CFG.cooldown_s)
+    assert [c.kind for c in again.changes] == ["unfinished"]
+    # Searched again: the rest holds (here: it costs more than it saves); nothing is left.
+    rest = Proposal((Outlook("rag", 2.0, 3.0, 2.9),), True, 0.7, False)
+    held, after = judge(done, again, rest, CFG)
+    assert held.kind == "hold_gain" and not after.unfinished
