@@ -48,6 +48,7 @@ __all__ = [
     "placement_doc",
     "predict_placed",
     "predict_running",
+    "predictions_running",
     "running_allocation",
     "search_problem",
 ]
@@ -136,6 +137,30 @@ def placed_replicas(observed: Observed) -> tuple[Placed, ...]:
     )
 
 
+def predictions_running(
+    pipes: Mapping[str, Pipeline],
+    book: ProfileBook,
+    running: Running,
+    rates: Mapping[str, float],
+    placed: Sequence[Placed] = (),
+) -> dict[str, alp.Prediction | None]:
+    """The ALP's prediction of each workflow under what runs (``None``: a stage has no
+    replica); workflows whose profiles are missing are left out. Each model's curve is read
+    where ``placed`` put its replicas (packed where it is empty)."""
+    busy = colocation.placed_weights(pipes, book, placed, rates) if placed else None
+    out: dict[str, alp.Prediction | None] = {}
+    for w, pipe in pipes.items():
+        alloc = running.get(w, {})
+        if any(st.model not in alloc for st in pipe.stages):
+            out[w] = None
+            continue
+        try:
+            out[w] = alp.predict(pipe, book, alloc, rates.get(w, 0.0), busy=busy)
+        except ProfileError:
+            continue
+    return out
+
+
 def predict_running(
     pipes: Mapping[str, Pipeline],
     book: ProfileBook,
@@ -143,21 +168,10 @@ def predict_running(
     rates: Mapping[str, float],
     placed: Sequence[Placed] = (),
 ) -> dict[str, float]:
-    """Predicted latency of each workflow under what runs: ``inf`` when a stage has no
-    replica or the rate is past capacity; workflows whose profiles are missing are left out.
-    Each model's curve is read where ``placed`` put its replicas (packed where it is empty)."""
-    busy = colocation.placed_weights(pipes, book, placed, rates) if placed else None
-    out: dict[str, float] = {}
-    for w, pipe in pipes.items():
-        alloc = running.get(w, {})
-        if any(st.model not in alloc for st in pipe.stages):
-            out[w] = math.inf
-            continue
-        try:
-            out[w] = alp.predict(pipe, book, alloc, rates.get(w, 0.0), busy=busy).latency
-        except ProfileError:
-            continue
-    return out
+    """:func:`predictions_running`'s latencies: ``inf`` when a stage has no replica or the
+    rate is past capacity."""
+    got = predictions_running(pipes, book, running, rates, placed)
+    return {w: math.inf if p is None else p.latency for w, p in got.items()}
 
 
 def cluster_without(cluster: Cluster, reserve: int) -> Cluster:

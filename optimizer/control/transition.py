@@ -4,8 +4,8 @@ Role: pure. A plan on a full cluster replaces replicas in rounds (drain, stop, s
 the engines, route), and between rounds fewer replicas may serve than before or after:
 converting two TP-2 replicas into four TP-1 ones on the same GPUs takes each TP-2 replica away
 for a cold start. :func:`waypoints` lists the routed sets a plan passes through, from what runs
-to the target, with each workflow's predicted latency and capacity on them (the ALP, read as
-:func:`optimizer.control.proposal.predict_running` reads what runs). :func:`request_seconds`
+to the target, with each workflow's predicted latency and throughput on them (the ALP, read
+as :func:`optimizer.control.proposal.predict_running` reads what runs). :func:`request_seconds`
 prices a path over the decision's horizon with a fluid queue (# assumed model: a workflow's
 backlog grows at its rate less the waypoint's capacity and drains at the difference the other
 way; every request also pays the waypoint's predicted latency). Two uses:
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from optimizer.control.proposal import placed_replicas, predict_running, running_allocation
+from optimizer.control.proposal import placed_replicas, predictions_running, running_allocation
 from optimizer.model.alp import Pipeline
 from optimizer.model.curves import ProfileBook
 from optimizer.plan.observed import Observed
@@ -40,8 +40,6 @@ from optimizer.plan.planner import Plan, Step
 from shared.optimizer_settings import OptimizerSettings
 
 __all__ = ["Waypoint", "dip_cost", "first_move", "request_seconds", "waypoints"]
-
-CAPACITY_STEPS = 12  # bisection steps for a waypoint's capacity (to 2**-12 of its bracket)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,7 @@ class Waypoint:
     rounds: int  # cold-start rounds waited before it
     hold: int  # cold-start rounds it lasts (until the next waypoint; 0 for the last)
     latency: Mapping[str, float]  # per workflow at the rates (inf: cannot serve it)
-    capacity: Mapping[str, float]  # per workflow: the highest rate it serves (others at theirs)
+    capacity: Mapping[str, float]  # per workflow: the ALP's throughput there (req/s)
 
     def serves(self, rates: Mapping[str, float]) -> bool:
         return all(math.isfinite(x) for w, x in self.latency.items() if rates.get(w, 0.0) > 0)
@@ -60,39 +58,6 @@ class Waypoint:
 
 def _url(rid: str) -> str:
     return f"plan://{rid}"
-
-
-def _predict(
-    obs: Observed, pipes: Mapping[str, Pipeline], book: ProfileBook, rates: Mapping[str, float]
-) -> dict[str, float]:
-    running = running_allocation(obs, pipes, rates)
-    return predict_running(pipes, book, running, rates, placed_replicas(obs))
-
-
-def _capacity(
-    obs: Observed,
-    pipes: Mapping[str, Pipeline],
-    book: ProfileBook,
-    rates: Mapping[str, float],
-    w: str,
-    served: bool,
-) -> float:
-    """The highest rate of ``w`` that ``obs`` serves, the others at their rates (bisection)."""
-
-    def ok(x: float) -> bool:
-        return math.isfinite(_predict(obs, pipes, book, {**rates, w: x}).get(w, math.inf))
-
-    r = rates.get(w, 0.0)
-    lo, hi = (r, 2.0 * r) if served else (0.0, r)
-    if served:
-        while ok(hi) and hi < 1e3 * max(r, 1e-3):
-            lo, hi = hi, 2.0 * hi
-    elif r <= 0 or not ok(r * 2.0**-CAPACITY_STEPS):
-        return 0.0
-    for _ in range(CAPACITY_STEPS):
-        mid = (lo + hi) / 2.0
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
 
 
 def _point(
@@ -103,12 +68,10 @@ def _point(
     book: ProfileBook,
     rates: Mapping[str, float],
 ) -> Waypoint:
-    at = _predict(obs, pipes, book, rates)
-    cap = {
-        w: _capacity(obs, pipes, book, rates, w, math.isfinite(x))
-        for w, x in at.items()
-        if rates.get(w, 0.0) > 0
-    }
+    running = running_allocation(obs, pipes, rates)
+    got = predictions_running(pipes, book, running, rates, placed_replicas(obs))
+    at = {w: math.inf if p is None else p.latency for w, p in got.items()}
+    cap = {w: 0.0 if p is None else p.throughput for w, p in got.items()}
     return Waypoint(end, rounds, 0, MappingProxyType(at), MappingProxyType(cap))
 
 
@@ -178,11 +141,11 @@ def request_seconds(
     cold_start_s: float,
     queue_only: bool = False,
 ) -> float:
-    """Request-seconds over ``horizon_s`` of the path ``points`` (its last waypoint held to
-    the horizon's end) from ``backlog`` requests waiting per workflow: the fluid queue's and,
-    unless ``queue_only``, every arrival's predicted latency where it arrives (a waypoint
-    that cannot serve a workflow charges the path's last finite latency: its queue says the
-    rest)."""
+    """Request-seconds over ``horizon_s`` of the path ``points`` (the last held to the
+    horizon's end) from ``backlog`` requests waiting per workflow: the
+    fluid queue's and, unless ``queue_only``, every arrival's predicted latency where it
+    arrives (a waypoint that cannot serve a workflow charges the path's last finite latency:
+    its queue says the rest)."""
     total = 0.0
     for w, r in rates.items():
         if r <= 0:
