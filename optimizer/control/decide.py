@@ -18,7 +18,7 @@ can drive them with any sequence of windows:
    slower than the baseline's by ``latency_drift_threshold``, or too few completing while
    enough arrive). An overloaded workflow is planned for its rate in the window's later half
    when that is higher (:func:`planning_rate`: a rising rate). Once the cooldown after a
-   rollout that stopped at a plan's first serving waypoint has passed (``unfinished``:
+   rollout that stopped at a serving waypoint of its plan has passed (``unfinished``:
    :mod:`optimizer.control.transition`), the rest of the move is searched for again. A
    confirmed change means "search again".
 2. :func:`judge` takes the search's proposal (:class:`Proposal`: per workflow the running
@@ -239,7 +239,7 @@ def detect(
                 "*",
                 None,
                 math.nan,
-                "the last rollout stopped at a plan's first waypoint that serves the traffic",
+                "the last rollout stopped at a waypoint of its plan that serves the traffic",
             )
         )
     seen: list[tuple[str, Change]] = []  # (streak key, change) past a threshold this window
@@ -373,7 +373,7 @@ class Proposal:
     relaxed: str = ""  # how the search relaxed its margins to cover every rate ("": it did not)
     # request-seconds lost where the plan's rounds leave a workflow short (transition.dip_cost)
     dip_s: float = 0.0
-    # the plan is a prefix of the search's (transition.staged): how it says so ("": whole)
+    # the plan is a prefix of the search's (transition.first_move): why ("": the whole plan)
     staged: str = ""
 
 
@@ -487,8 +487,10 @@ def judge(
         * sum(o.rate * o.current for o in proposal.outlook)
         + proposal.dip_s
     )
-    dip = f", {proposal.dip_s:.3g} of it while a round leaves a workflow short" * (
-        proposal.dip_s > 0
+    dip = (
+        f", {proposal.dip_s:.3g} of it while a round leaves a workflow short"
+        if proposal.dip_s > 0
+        else ""
     )
     figures = (
         f"predicted latency {current:.3g}s -> {proposed:.3g}s ({gain:+.0%}); saves "
