@@ -50,6 +50,7 @@ import orjson
 
 from bench.evaluation.daemon import scenario
 from bench.evaluation.dynamic_report import plot_dynamic
+from bench.evaluation.merge import MergeError, merge_docs
 from bench.evaluation.report import markdown, plot_curves, summarise
 from bench.evaluation.runs import HPA_SYSTEMS, PointJob, run_point
 from bench.evaluation.scepsy import (
@@ -338,9 +339,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="re-render DIR/evaluation.md (and the summary) from DIR/evaluation.json",
     )
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="RUN",
+        help="with --report-only: take from these earlier runs' directories the series DIR's "
+        "run lacks; a series in several runs comes whole from the last named",
+    )
     args = ap.parse_args(argv)
+    if args.merge and not args.report_only:
+        ap.error("--merge renders a report: it needs --report-only")
     if args.report_only:
-        return _rerender(args.out)
+        try:
+            return _rerender(args.out, args.merge or ())
+        except MergeError as e:  # runs that cannot share a report: one line, not a traceback
+            print(f"evaluate: {e}", file=sys.stderr)
+            return 2
     partial = args.out / "points.jsonl"
     prior: list[dict[str, Any]] = []
     if args.resume:
@@ -504,30 +519,34 @@ def _read_points(path: Path) -> list[dict[str, Any]]:
     return pts
 
 
-def _rerender(out: Path) -> int:
+def _run_doc(out: Path) -> dict[str, Any]:
+    """An earlier run's document: its ``evaluation.json``, or for an interrupted run one built
+    from the points it finished (``points.jsonl``), labelled partial."""
+    if (out / "evaluation.json").exists():
+        got: dict[str, Any] = orjson.loads((out / "evaluation.json").read_bytes())
+        return got
+    run = orjson.loads((out / "run_meta.json").read_bytes())
+    pts = _read_points(out / "points.jsonl")
+    run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
+    saved = out / DYNAMIC_FILE
+    dynamic = orjson.loads(saved.read_bytes()) if saved.exists() else None
+    return {
+        "label": "simulated",
+        "partial": True,
+        "points": pts,
+        "dynamic": dynamic,
+        "sweeps": run.pop("sweeps"),
+        "plots": plot_curves(pts, out) + ([plot_dynamic(dynamic, out)] if dynamic else []),
+        "wall_s": 0.0,
+        "meta": {**run, "wall_s": 0.0},  # unknown: interrupted
+    }
+
+
+def _rerender(out: Path, merge: Sequence[Path] = ()) -> int:
     """The summary, shortfalls and Markdown again from the points of an earlier run (the
-    report's rules changed, the runs did not); of an interrupted run, from the points it
-    finished (``points.jsonl``), labelled partial."""
-    if not (out / "evaluation.json").exists():
-        run = orjson.loads((out / "run_meta.json").read_bytes())
-        pts = _read_points(out / "points.jsonl")
-        run["command"] += f" (PARTIAL: interrupted; {len(pts)} points finished)"
-        saved = out / DYNAMIC_FILE
-        dynamic = orjson.loads(saved.read_bytes()) if saved.exists() else None
-        doc: dict[str, Any] = {
-            "label": "simulated",
-            "partial": True,
-            "points": pts,
-            "dynamic": dynamic,
-            "sweeps": run.pop("sweeps"),
-            "plots": plot_curves(pts, out)
-            + ([plot_dynamic(dynamic, out)] if dynamic is not None else []),
-            "wall_s": 0.0,
-            "meta": {**run, "wall_s": 0.0},
-        }  # unknown: interrupted
-        (out / "evaluation.json").write_bytes(orjson.dumps(doc))
-    doc = orjson.loads((out / "evaluation.json").read_bytes())
-    summary, shortfalls = summarise(doc["points"])
+    report's rules changed, the runs did not); with ``merge``, the series DIR's run lacks or
+    that a later-named run holds come from those runs (``bench.evaluation.merge``)."""
+    doc = _run_doc(out)
     meta = doc.get("meta") or {
         "command": "python -m bench.evaluation.evaluate (an earlier run)",
         "wall_s": doc["wall_s"],
@@ -539,7 +558,21 @@ def _rerender(out: Path) -> int:
             }
         ),
     }
-    meta = {**meta, "command": meta["command"] + " (report re-rendered by --report-only)"}
+    if merge:
+        if "runs" in meta:
+            raise MergeError(f"{out}: already a merged report; merge into the unmerged run")
+        others = [_run_doc(d) for d in merge]
+        merged = merge_docs(
+            [(str(out), {**doc, "meta": meta}), *zip(map(str, merge), others, strict=True)]
+        )
+        doc.update(points=merged["points"], sweeps=merged["sweeps"])
+        doc["plots"] = plot_curves(doc["points"], out) + [
+            f for f in doc.get("plots", []) if f.startswith("dynamic")
+        ]
+        meta = {**meta, "runs": merged["runs"]}
+        doc["meta"] = meta
+    summary, shortfalls = summarise(doc["points"])
+    shown = {**meta, "command": meta["command"] + " (report re-rendered by --report-only)"}
     doc.update(summary=summary, shortfalls=shortfalls)
     (out / "evaluation.json").write_bytes(
         orjson.dumps(
@@ -547,7 +580,7 @@ def _rerender(out: Path) -> int:
         )
     )
     (out / "evaluation.md").write_text(
-        markdown(summary, shortfalls, meta, doc["dynamic"], doc["points"])
+        markdown(summary, shortfalls, shown, doc["dynamic"], doc["points"])
     )
     return 0
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.evaluation.dynamic_report import dynamic_markdown
+from bench.evaluation.merge import provenance_lines
 from bench.evaluation.setup import (
     AEGAEON_PREFILL_PER_NODE,
     AYO,
@@ -111,7 +112,11 @@ def summarise(points: Sequence[Point]) -> tuple[dict[str, Any], list[dict[str, A
                 shortfalls.append(_shortfall(p, s, "is faster at this rate"))
     for wf, by_gpus in summary.items():
         for gpus, systems in by_gpus.items():
-            sc = systems.get("scepsy", {}).get("max_sustained_rate", 0.0)
+            if "scepsy" not in systems:  # not run at this size: nothing to compare with
+                for e in systems.values():
+                    e["throughput_ratio_scepsy_over"] = math.nan
+                continue
+            sc = systems["scepsy"]["max_sustained_rate"]
             for system, e in systems.items():
                 e["throughput_ratio_scepsy_over"] = (
                     sc / e["max_sustained_rate"] if e["max_sustained_rate"] > 0 else math.inf
@@ -279,6 +284,7 @@ def markdown(
         )
         + (f" Traces and profiles: {meta['knowledge']}." if meta.get("knowledge") else ""),
         "",
+        *provenance_lines(meta.get("runs", ())),
         "Peak = highest offered rate sustained (req/s; `>=`: the highest rate swept, "
         "so the true peak is higher), with the throughput measured there; `x` = Scepsy "
         "peak / system peak (by offered rate: equal offered rates tie, whatever the "
@@ -350,6 +356,13 @@ def markdown(
                     f"{_fmt(e['p90_ratio_to_scepsy_median'])} | {paper} |"
                 )
         lines.append("")
+        missing = [g for g, systems in by_gpus.items() if "scepsy" not in systems]
+        if missing:
+            lines += [
+                f"Scepsy was not run on {', '.join(sorted(missing, key=int))} GPUs here: "
+                "those rows are the baselines alone, compared with nothing.",
+                "",
+            ]
     unplaced = Counter(
         (p["workflow"], p["gpus"], p["system"]) for p in points if p.get("placed") is False
     )
