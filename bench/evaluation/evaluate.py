@@ -83,7 +83,7 @@ from bench.evaluation.setup import (
 from bench.evaluation.static import even, independent, placeable
 
 
-def _jobs(
+def point_jobs(
     k: Knowledge,
     gpus: int,
     kind: str,
@@ -400,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweeps: dict[str, Any] = {}
         for gpus in sizes:
             for kind in args.workflows:
-                js, info = _jobs(k, gpus, kind, fractions, lengths, args.systems)
+                js, info = point_jobs(k, gpus, kind, fractions, lengths, args.systems)
                 jobs += js
                 sweeps.setdefault(kind, {})[str(gpus)] = info
         phase("plan")
@@ -411,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {
                     "command": command,
                     "workers": args.workers,
+                    "quick": args.quick,
                     "rate_fractions": fractions,
                     "sweeps": sweeps,
                 }
@@ -436,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": command,
         "wall_s": wall,
         "workers": args.workers,
+        "quick": args.quick,
         "rate_fractions": fractions,
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),

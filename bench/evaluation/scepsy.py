@@ -181,11 +181,11 @@ def learn(
     a saved knowledge file whose profile points stand in for profiling (the traces, seconds,
     always run: the pipelines follow the current ALP code)."""
     if cache is not None and reuse and cache.exists():
-        return _from_doc(orjson.loads(cache.read_bytes()))
+        return knowledge_from_doc(orjson.loads(cache.read_bytes()))
     kinds = ("beam", "rag")
     traced = dict(zip(kinds, pool.map(_trace, kinds), strict=True))
     if profiled is not None:
-        points = _from_doc(orjson.loads(profiled.read_bytes())).points
+        points = knowledge_from_doc(orjson.loads(profiled.read_bytes())).points
     else:
         jobs = [j for k in kinds for j in _jobs(k, traced[k][0], traced[k][2], calls, quick)]
         order = sorted(range(len(jobs)), key=lambda i: -jobs[i].tp)  # slowest first
@@ -211,7 +211,7 @@ def knowledge_key(calls: int, quick: bool) -> str:
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(f"{calls}/{quick}/{platform.python_version()}/{np.__version__}".encode())
     h.update(repr((BEAM, RAG, GPU, PROFILE_KEYS, TRACE, PROFILE_REQUESTS, REFINE)).encode())
-    for fn in (_trace, _jobs, learn, _measured, _to_doc, _from_doc):
+    for fn in (_trace, _jobs, learn, _measured, _to_doc, knowledge_from_doc):
         h.update(inspect.getsource(fn).encode())
     for pattern in KNOWLEDGE_SOURCES:
         for f in sorted(root.glob(pattern)):
@@ -245,7 +245,7 @@ def _to_doc(k: Knowledge) -> dict[str, Any]:
     }
 
 
-def _from_doc(doc: dict[str, Any]) -> Knowledge:
+def knowledge_from_doc(doc: dict[str, Any]) -> Knowledge:
     from optimizer.model.alp import Overlap, Stage
 
     pipes = {

@@ -13,7 +13,13 @@ import pytest
 
 import optimizer.control.step
 from bench.evaluation import daemon as dynamic
-from bench.evaluation.scepsy import Knowledge, _from_doc, allocate, capacity, capacity_beside
+from bench.evaluation.scepsy import (
+    Knowledge,
+    allocate,
+    capacity,
+    capacity_beside,
+    knowledge_from_doc,
+)
 from bench.evaluation.setup import (
     COMBINED_BEAM_FRACTION,
     cluster,
@@ -29,7 +35,7 @@ GPUS = 4
 
 
 def _k() -> Knowledge:
-    return _from_doc(orjson.loads(orjson.dumps(_knowledge())))
+    return knowledge_from_doc(orjson.loads(orjson.dumps(_knowledge())))
 
 
 def test_the_scenario_runs_the_daemons_step() -> None:

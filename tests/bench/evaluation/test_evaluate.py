@@ -321,7 +321,7 @@ def test_an_allocation_that_does_not_place_sustains_nothing() -> None:
 
 
 def test_cached_knowledge_keeps_the_pipelines_overlapping_pairs() -> None:
-    from bench.evaluation.scepsy import Knowledge, _from_doc, _to_doc
+    from bench.evaluation.scepsy import Knowledge, _to_doc, knowledge_from_doc
     from optimizer.model.alp import Overlap, Pipeline, Stage
     from optimizer.model.curves import ProfileBook
 
@@ -331,7 +331,7 @@ def test_cached_knowledge_keeps_the_pipelines_overlapping_pairs() -> None:
     doc = orjson.loads(
         orjson.dumps(_to_doc(Knowledge({}, {"fan": pipe}, ProfileBook([]), (), {"fan": 1.0})))
     )
-    assert _from_doc(doc).pipelines == {"fan": pipe}
+    assert knowledge_from_doc(doc).pipelines == {"fan": pipe}
 
 
 def test_a_system_that_never_places_is_not_applicable_not_zero() -> None:
