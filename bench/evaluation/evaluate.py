@@ -50,25 +50,18 @@ import orjson
 
 from bench.evaluation.daemon import scenario
 from bench.evaluation.dynamic_report import plot_dynamic
+from bench.evaluation.jobs import point_jobs
+from bench.evaluation.knee import KNEE_FILE, knee_lines
 from bench.evaluation.merge import MergeError, merge_docs
 from bench.evaluation.report import markdown, plot_curves, summarise
 from bench.evaluation.runs import HPA_SYSTEMS, PointJob, run_point
 from bench.evaluation.scepsy import (
     Knowledge,
-    allocate,
-    alp_view,
-    capacity,
-    capacity_beside,
     knowledge_doc,
     knowledge_key,
     learn,
 )
 from bench.evaluation.setup import (
-    ABLATIONS,
-    AYO,
-    BELOW_SWEEP_FRACTIONS,
-    BELOW_SWEEP_SYSTEMS,
-    COMBINED_BEAM_FRACTION,
     DYNAMIC_GPUS,
     FULL,
     QUICK,
@@ -80,76 +73,6 @@ from bench.evaluation.setup import (
     WORKFLOWS,
     RunLengths,
 )
-from bench.evaluation.static import even, independent, placeable
-
-
-def point_jobs(
-    k: Knowledge,
-    gpus: int,
-    kind: str,
-    fractions: Sequence[float],
-    lengths: RunLengths,
-    systems: Sequence[str],
-) -> tuple[list[PointJob], dict[str, Any]]:
-    beam_rate = 0.0
-    if kind == "combined":
-        beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-        # anchored at RAG's capacity beside beam at its own rate (not at an unreachable
-        # RAG target, where the search would cut beam to RAG's fraction too)
-        top = capacity_beside(k, "rag", {"beam": beam_rate}, gpus)
-        light = max(k.light_latency.values())
-    else:
-        top = capacity(k, kind, gpus)
-        light = k.light_latency[kind]
-    jobs = []
-    below = [s for s in systems if s in BELOW_SWEEP_SYSTEMS]
-    sweep = [(f, systems) for f in fractions] + [(f, below) for f in BELOW_SWEEP_FRACTIONS]
-    for i, (f, at_f) in enumerate(sweep):
-        rate = f * top
-        targets = {"beam": beam_rate, "rag": rate} if kind == "combined" else {kind: rate}
-        kinds = tuple(targets)
-        for system in at_f:
-            meta: dict[str, Any] = {}
-            allocation = None
-            if system in ABLATIONS:
-                tp, frac = ABLATIONS[system]
-                p = allocate(k, targets, gpus, system, tp, frac)
-                allocation = p.allocation
-                meta = {
-                    "placed": p.placed,
-                    "feasible": p.feasible,
-                    "predicted": p.predicted,
-                    "sim_gpus": p.sim_gpus,
-                    "note": p.note,
-                }
-            elif system == "independent":
-                allocation = independent(k, targets, gpus)
-            elif system in ("even", AYO):  # Ayo serves the user's hand allocation
-                allocation = even(kinds, gpus)
-            if allocation is not None and system in ("independent", "even", AYO):
-                ok, why = placeable(allocation, gpus)
-                meta = {"placed": ok, "note": why}
-            if allocation is not None:
-                meta["alp"] = alp_view(k, allocation, targets)
-                meta["allocation"] = [
-                    {"model": s.model, "replicas": s.count, "tp": s.tp, "share": s.share}
-                    for s in allocation.replicas
-                ]
-            jobs.append(
-                PointJob(
-                    system,
-                    kind,
-                    gpus,
-                    rate,
-                    beam_rate,
-                    allocation,
-                    lengths,
-                    light,
-                    seed=1000 * gpus + 10 * i,
-                    meta=meta,
-                )
-            )
-    return jobs, {"capacity": top, "beam_rate": beam_rate}
 
 
 def _cost(job: PointJob) -> float:
@@ -581,9 +504,10 @@ def _rerender(out: Path, merge: Sequence[Path] = ()) -> int:
             doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
         )
     )
-    (out / "evaluation.md").write_text(
-        markdown(summary, shortfalls, shown, doc["dynamic"], doc["points"])
-    )
+    text = markdown(summary, shortfalls, shown, doc["dynamic"], doc["points"])
+    if (out / KNEE_FILE).exists():  # bench.evaluation.knee run into this directory
+        text += "\n" + "\n".join(knee_lines(orjson.loads((out / KNEE_FILE).read_bytes())))
+    (out / "evaluation.md").write_text(text)
     return 0
 
 

@@ -10,7 +10,8 @@ same run lengths, verdict, allocations searched or sized per rate, ``DIR/knowled
 profiles); only the seeds differ. Writes ``OUT/knee.json`` (every run) and ``OUT/knee.md``
 (per workflow and cluster: each system's knee, mean and 95% t-interval over the seeds, and
 Scepsy's against it: ahead where its interval lies above the system's, behind where below,
-else a tie). Every figure is simulated.
+else a tie); with ``--out`` the evaluation run's own directory, its report shows them
+(``bench.evaluation.evaluate --report-only``). Every figure is simulated.
 
 Invariants: a seed's bracket is checked at that seed before bisecting (a grid rate sustained
 by the grid's seed may not be by another: the bracket then widens down, or up while below
@@ -33,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from bench.evaluation.evaluate import point_jobs
+from bench.evaluation.jobs import point_jobs
 from bench.evaluation.runs import PointJob, run_point
 from bench.evaluation.scepsy import Knowledge, knowledge_from_doc
 from bench.evaluation.setup import FULL, QUICK, SYSTEMS, WORKFLOWS
@@ -43,6 +44,7 @@ TOLERANCE = 0.05  # the bracket's width, relative to its upper end, where bisect
 UP_LIMIT = 1.5  # how far above the grid's top rate a bracket may widen up
 # two-sided 95% Student t quantiles by degrees of freedom (n seeds - 1)
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+KNEE_FILE = "knee.json"  # in --out; an evaluation run's report shows it when there
 SEED_STEP = 7919  # seeds apart by a prime, clear of the grid's 1000 x GPUs + 10 x i
 
 Series = tuple[str, int, str]  # workflow, GPUs, system
@@ -184,11 +186,13 @@ def knees(
     return out
 
 
-def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
+def knee_lines(doc: dict[str, Any]) -> list[str]:
+    """The knees of a ``knee.json`` document as a Markdown section."""
+    rows: list[dict[str, Any]] = doc["series"]
     lines = [
-        "# Knees by bisection (simulated)",
+        "## Knees by bisection (simulated)",
         "",
-        f"Command: `{command}`. Per seed, the highest rate sustained, bisected to "
+        f"Command: `{doc['command']}`. Per seed, the highest rate sustained, bisected to "
         f"{TOLERANCE:.0%} of rate from the evaluation grid's bracket; mean and 95% "
         "t-interval of the mean over seeds. `>=`: sustained up to the highest rate tried.",
         "",
@@ -207,7 +211,7 @@ def markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
             f"| {r['workflow']} | {r['gpus']} | {r['system']} | {per} | "
             f"{'>=' if r['censored'] else ''}{fmt(r['mean'])} [{fmt(lo)}-{fmt(hi)}] | {vs} |"
         )
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,9 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.evaluation.knee " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"label": "simulated", "command": command, "tolerance": TOLERANCE, "series": rows}
-    (args.out / "knee.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    (args.out / "knee.md").write_text(markdown(rows, command))
-    print((args.out / "knee.md").read_text())
+    (args.out / KNEE_FILE).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    text = "\n".join(knee_lines(doc))
+    (args.out / "knee.md").write_text("#" + text)  # a document of its own: a top heading
+    print(text)
     return 0
 
 

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.evaluation import evaluate
 from bench.evaluation.knee import (
+    KNEE_FILE,
     TOLERANCE,
     UP_LIMIT,
     Bracket,
     grid_bracket,
     interval,
-    markdown,
+    knee_lines,
     seek,
     verdict,
 )
+from tests.bench.evaluation.test_merge import _doc
+from tests.bench.evaluation.test_merge import _pt as _run_pt
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,6 +106,31 @@ def test_markdown_compares_each_system_with_scepsy() -> None:
             "censored": censored,
         }
 
-    md = markdown([row("scepsy", [3.0, 3.1, 3.05]), row("hpa", [2.0, 2.1, 2.2])], "cmd")
+    rows = [row("scepsy", [3.0, 3.1, 3.05]), row("hpa", [2.0, 2.1, 2.2])]
+    md = "\n".join(knee_lines({"series": rows, "command": "cmd"}))
     assert "| beam | 4 | hpa | 2, 2.1, 2.2 | 2.1 [" in md and "Scepsy ahead" in md
     assert "`cmd`" in md
+
+
+def test_the_evaluation_report_shows_knees_written_beside_it(tmp_path: Path) -> None:
+    run = _doc("main", [_run_pt("scepsy", 4, 1.0, True, 1.0)], (4,))
+    (tmp_path / "evaluation.json").write_bytes(orjson.dumps(run))
+    mean, lo, hi = interval([2.0, 2.2, 2.1])
+    knee = {
+        "command": "python -m bench.evaluation.knee ...",
+        "series": [
+            {
+                "workflow": "beam",
+                "gpus": 4,
+                "system": "scepsy",
+                "seeds": [{"knee": 2.0}, {"knee": 2.2}, {"knee": 2.1}],
+                "mean": mean,
+                "ci95": [lo, hi],
+                "censored": False,
+            }
+        ],
+    }
+    (tmp_path / KNEE_FILE).write_bytes(orjson.dumps(knee))
+    assert evaluate.main(["--out", str(tmp_path), "--report-only"]) == 0
+    md = (tmp_path / "evaluation.md").read_text()
+    assert "## Knees by bisection (simulated)" in md and "| beam | 4 | scepsy | 2, 2.2, 2.1 |" in md
