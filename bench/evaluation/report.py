@@ -210,8 +210,9 @@ def _cause(s: dict[str, Any], b: dict[str, Any], sc: dict[str, Any], wf: str) ->
     )
     if bl is None and bt > st:
         return (
-            f"{view}. Search space: the baseline gives one model replicas of different "
-            "shares, which the search (one TP and share per model) cannot express"
+            f"{view}. Search space: the baseline gives one model replicas of more kinds "
+            "than the search's unit (one TP and share per model, and a rest of TP-1 "
+            "replicas on one smaller share) can express"
         )
     goal = s["rate"] * (1.0 + HEADROOM)
     if bt < goal:

@@ -25,7 +25,7 @@ import math
 import platform
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -383,14 +383,27 @@ def capacity_beside(
     return float(best.predicted[kind]["throughput"]) if best is not None else 0.0
 
 
+def _model_alloc(groups: Sequence[ReplicaSpec]) -> ModelAlloc | None:
+    """One model's replica groups as the search's unit: one group, or a group and a rest of
+    TP-1 replicas on another share (None: not expressible)."""
+    if len(groups) == 1:
+        g = groups[0]
+        return ModelAlloc(g.count, g.tp, g.share)
+    if len(groups) == 2:
+        main, rest = sorted(groups, key=lambda g: (g.tp, g.share), reverse=True)
+        if rest.tp == 1 and rest.share < main.share:
+            return ModelAlloc(main.count, main.tp, main.share, rest.count, rest.share)
+    return None
+
+
 def alp_view(
     k: Knowledge, allocation: Allocation, targets: Mapping[str, float]
 ) -> dict[str, dict[str, float | None]]:
     """The ALP's view of any system's allocation at ``targets`` (workflow -> requests/s), to
     tell a misprediction from a search that missed: per workflow, the predicted throughput
     (per model, the sum over its replica groups of ``d · T(tp, s) / n``) and latency at the
-    target rate (``None`` where a model runs replicas of different TP or shares, which one
-    ``ModelAlloc`` per model, the search's unit, cannot express)."""
+    target rate (``None`` where a model's replicas are not one ``ModelAlloc``, the search's
+    unit: one group of a TP and share, and at most one more of TP-1 replicas, its rest)."""
     out: dict[str, dict[str, float | None]] = {}
     for w, rate in targets.items():
         pipe = k.pipelines[w]
@@ -408,8 +421,8 @@ def alp_view(
             for st in pipe.stages
         )
         latency: float | None = None
-        if all(len(v) == 1 for v in specs.values()) and rate > 0:
-            alloc = {m: ModelAlloc(v[0].count, v[0].tp, v[0].share) for m, v in specs.items()}
-            latency = predict(pipe, k.book, alloc, rate).latency
+        units = {m: a for m, v in specs.items() if (a := _model_alloc(v)) is not None}
+        if rate > 0 and len(units) == len(specs):
+            latency = predict(pipe, k.book, units, rate).latency
         out[w] = {"throughput": throughput, "latency": latency}
     return out

@@ -202,7 +202,7 @@ def test_cause_tells_the_search_from_the_alp() -> None:
         return next(f for f in found if f["rate"] == 2.0)
 
     mixed = shortfall({"throughput": 3.0, "latency": None}, {"throughput": 2.5, "latency": 2.0})
-    assert "different shares" in cause(mixed)
+    assert "Search space" in cause(mixed)
     # Scepsy's allocation predicted short of 2.0 x (1 + headroom), the baseline's above it
     missed = shortfall({"throughput": 3.0, "latency": 1.0}, {"throughput": 2.1, "latency": 2.0})
     assert "Search:" in cause(missed)
@@ -411,3 +411,26 @@ def test_a_resumed_run_reads_the_dynamic_scenario_it_saved(tmp_path: Path) -> No
     # no knowledge and no pool: a saved scenario is read, never run again
     got = evaluate._saved_scenario(None, None, False, saved, True)  # type: ignore[arg-type]
     assert got == {"label": "simulated", "gpus": 8, "systems": {}}
+
+
+def test_the_alp_view_rates_a_rest_group_as_the_search_does() -> None:
+    """A model on whole GPUs plus a rest of TP-1 replicas on a smaller share is one
+    ``ModelAlloc`` (the search picks such allocations); three kinds of replicas are not."""
+    from bench.evaluation.scepsy import alp_view, knowledge_from_doc
+    from optimizer.model.alp import ModelAlloc, predict
+    from sim.cluster import Allocation, ReplicaSpec
+
+    k = knowledge_from_doc(orjson.loads(orjson.dumps(_knowledge())))
+    gen, prm = "llama-3.2-1b", "llama-3.1-8b-prm"
+    mixed = Allocation.of(
+        ReplicaSpec(prm, "a6000", 1, 1.0, 2),
+        ReplicaSpec(prm, "a6000", 1, 0.5, 1),
+        ReplicaSpec(gen, "a6000", 1, 1.0, 1),
+    )
+    units = {prm: ModelAlloc(2, 1, 1.0, 1, 0.5), gen: ModelAlloc(1, 1, 1.0)}
+    rate = 0.5 * predict(k.pipelines["beam"], k.book, units, 0.1).throughput
+    view = alp_view(k, mixed, {"beam": rate})["beam"]
+    expected = predict(k.pipelines["beam"], k.book, units, rate).latency
+    assert math.isfinite(expected) and view["latency"] == expected
+    three = Allocation.of(*mixed.replicas, ReplicaSpec(prm, "a6000", 1, 0.2, 1))
+    assert alp_view(k, three, {"beam": rate})["beam"]["latency"] is None
