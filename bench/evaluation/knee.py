@@ -186,13 +186,29 @@ def knees(
     return out
 
 
+def _key(row: dict[str, Any]) -> Series:
+    return row["workflow"], row["gpus"], row["system"]
+
+
+def merged_into(path: Path, rows: Sequence[dict[str, Any]], command: str) -> dict[str, Any]:
+    """The knee document at ``path`` (if any) with ``rows`` in it: a series run again replaces
+    its earlier knees, the others stay; ``commands`` lists every run that gave a series."""
+    old: dict[str, Any] = orjson.loads(path.read_bytes()) if path.exists() else {}
+    new = {_key(r) for r in rows}
+    kept = [r for r in old.get("series", []) if _key(r) not in new]
+    series = sorted([*kept, *({**r, "command": command} for r in rows)], key=_key)
+    commands = list(dict.fromkeys(r["command"] for r in series))
+    return {"label": "simulated", "tolerance": TOLERANCE, "commands": commands, "series": series}
+
+
 def knee_lines(doc: dict[str, Any]) -> list[str]:
     """The knees of a ``knee.json`` document as a Markdown section."""
     rows: list[dict[str, Any]] = doc["series"]
     lines = [
         "## Knees by bisection (simulated)",
         "",
-        f"Command: `{doc['command']}`. Per seed, the highest rate sustained, bisected to "
+        "Commands: " + "; ".join(f"`{c}`" for c in doc["commands"]) + ". "
+        "Per seed, the highest rate sustained, bisected to "
         f"{TOLERANCE:.0%} of rate from the evaluation grid's bracket; mean and 95% "
         "t-interval of the mean over seeds. `>=`: sustained up to the highest rate tried.",
         "",
@@ -236,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     command = "python -m bench.evaluation.knee " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"label": "simulated", "command": command, "tolerance": TOLERANCE, "series": rows}
+    doc = merged_into(args.out / KNEE_FILE, rows, command)
     (args.out / KNEE_FILE).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     text = "\n".join(knee_lines(doc))
     (args.out / "knee.md").write_text("#" + text)  # a document of its own: a top heading

@@ -20,6 +20,7 @@ from bench.evaluation.knee import (
     grid_bracket,
     interval,
     knee_lines,
+    merged_into,
     seek,
     verdict,
 )
@@ -107,7 +108,7 @@ def test_markdown_compares_each_system_with_scepsy() -> None:
         }
 
     rows = [row("scepsy", [3.0, 3.1, 3.05]), row("hpa", [2.0, 2.1, 2.2])]
-    md = "\n".join(knee_lines({"series": rows, "command": "cmd"}))
+    md = "\n".join(knee_lines({"series": rows, "commands": ["cmd"]}))
     assert "| beam | 4 | hpa | 2, 2.1, 2.2 | 2.1 [" in md and "Scepsy ahead" in md
     assert "`cmd`" in md
 
@@ -117,7 +118,7 @@ def test_the_evaluation_report_shows_knees_written_beside_it(tmp_path: Path) -> 
     (tmp_path / "evaluation.json").write_bytes(orjson.dumps(run))
     mean, lo, hi = interval([2.0, 2.2, 2.1])
     knee = {
-        "command": "python -m bench.evaluation.knee ...",
+        "commands": ["python -m bench.evaluation.knee ..."],
         "series": [
             {
                 "workflow": "beam",
@@ -134,3 +135,15 @@ def test_the_evaluation_report_shows_knees_written_beside_it(tmp_path: Path) -> 
     assert evaluate.main(["--out", str(tmp_path), "--report-only"]) == 0
     md = (tmp_path / "evaluation.md").read_text()
     assert "## Knees by bisection (simulated)" in md and "| beam | 4 | scepsy | 2, 2.2, 2.1 |" in md
+
+
+def test_a_series_run_again_replaces_its_knees_and_the_others_stay(tmp_path: Path) -> None:
+    def row(system: str, knee: float) -> dict[str, object]:
+        return {"workflow": "beam", "gpus": 4, "system": system, "seeds": [{"knee": knee}]}
+
+    first = merged_into(tmp_path / KNEE_FILE, [row("scepsy", 1.0), row("hpa", 0.5)], "one")
+    (tmp_path / KNEE_FILE).write_bytes(orjson.dumps(first))
+    doc = merged_into(tmp_path / KNEE_FILE, [row("scepsy", 2.0)], "two")
+    by = {r["system"]: r for r in doc["series"]}
+    assert by["scepsy"]["seeds"] == [{"knee": 2.0}] and by["scepsy"]["command"] == "two"
+    assert by["hpa"]["command"] == "one" and doc["commands"] == ["one", "two"]
