@@ -64,6 +64,12 @@ def counts(point: dict[str, Any]) -> bool:
     return bool(point.get("sustained")) and point.get("placed") is not False
 
 
+def placeable(points: Sequence[dict[str, Any]]) -> bool:
+    """Whether any point of a series placed at all (the report's "n/a" where none did: one
+    whole-GPU pod per model that does not fit, an ablation with nothing to place)."""
+    return any("unserved" not in p and p.get("placed") is not False for p in points)
+
+
 def grid_bracket(points: Sequence[dict[str, Any]]) -> Bracket:
     """A series' bracket from its grid points: its highest sustained rate and the lowest
     rate above it that it did not sustain."""
@@ -181,6 +187,7 @@ def knees(
                 "mean": mean,
                 "ci95": [low, high],
                 "censored": any(r["censored"] for r in mine),
+                "placeable": placeable(grid[s]),
             }
         )
     return out
@@ -218,13 +225,17 @@ def knee_lines(doc: dict[str, Any]) -> list[str]:
     by = {(r["workflow"], r["gpus"], r["system"]): r for r in rows}
     for r in rows:
         sc = by.get((r["workflow"], r["gpus"], "scepsy"))
+        head = f"| {r['workflow']} | {r['gpus']} | {r['system']} |"
+        if not r.get("placeable", True):
+            lines.append(f"{head} n/a | n/a (places nothing on the cluster) | |")
+            continue
         vs = ""
         if sc is not None and r["system"] != "scepsy":
             vs = verdict((sc["mean"], *sc["ci95"]), (r["mean"], *r["ci95"]))
         per = ", ".join(fmt(x["knee"]) for x in r["seeds"])
         lo, hi = r["ci95"]
         lines.append(
-            f"| {r['workflow']} | {r['gpus']} | {r['system']} | {per} | "
+            f"{head} {per} | "
             f"{'>=' if r['censored'] else ''}{fmt(r['mean'])} [{fmt(lo)}-{fmt(hi)}] | {vs} |"
         )
     return [*lines, ""]

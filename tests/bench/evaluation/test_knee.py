@@ -21,6 +21,7 @@ from bench.evaluation.knee import (
     interval,
     knee_lines,
     merged_into,
+    placeable,
     seek,
     verdict,
 )
@@ -35,6 +36,12 @@ GRID = [f * TOP for f in (0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.2)]
 
 def _pt(rate: float, sustained: bool, placed: bool = True) -> dict[str, object]:
     return {"rate": rate, "sustained": sustained, "placed": placed}
+
+
+def test_a_series_that_never_placed_is_not_a_knee_of_zero() -> None:
+    assert placeable([_pt(1.0, False), {**_pt(2.0, False), "unserved": ["m"]}])
+    assert not placeable([{**_pt(r, False), "unserved": ["m"]} for r in GRID])
+    assert not placeable([_pt(r, True, placed=False) for r in GRID])
 
 
 def test_the_grid_bracket_is_the_highest_sustained_and_the_next_rate_not() -> None:
@@ -108,7 +115,9 @@ def test_markdown_compares_each_system_with_scepsy() -> None:
         }
 
     rows = [row("scepsy", [3.0, 3.1, 3.05]), row("hpa", [2.0, 2.1, 2.2])]
+    rows.append({**row("hpa_warm", [0.0, 0.0, 0.0]), "placeable": False})
     md = "\n".join(knee_lines({"series": rows, "commands": ["cmd"]}))
+    assert "| beam | 4 | hpa_warm | n/a | n/a" in md
     assert "| beam | 4 | hpa | 2, 2.1, 2.2 | 2.1 [" in md and "Scepsy ahead" in md
     assert "`cmd`" in md
 
