@@ -21,7 +21,9 @@ series of points (one system, workflow and cluster) stops after 2 consecutive ra
 not sustain. Profiles are cached under ``--cache``, keyed by the settings and the
 contents of the sources they depend on (``--fresh`` recomputes). ``--report-only`` re-renders
 the summary and report of an earlier run from its ``evaluation.json`` (of an interrupted one,
-from the points it logged, labelled partial); ``--resume`` continues an interrupted run with
+from the points it logged, labelled partial), with ``--merge RUN ...`` taking the series it
+lacks from earlier runs on the same rates (:mod:`bench.evaluation.merge`), and shows the knees
+:mod:`bench.evaluation.knee` wrote into DIR; ``--resume`` continues an interrupted run with
 its profiles and the points it logged.
 """
 
