@@ -197,14 +197,20 @@ def _key(row: dict[str, Any]) -> Series:
     return row["workflow"], row["gpus"], row["system"]
 
 
+def _order(row: dict[str, Any]) -> tuple[int, int, int]:
+    """The report's order: workflow, cluster, then Scepsy first and the systems as listed."""
+    return WORKFLOWS.index(row["workflow"]), row["gpus"], SYSTEMS.index(row["system"])
+
+
 def merged_into(path: Path, rows: Sequence[dict[str, Any]], command: str) -> dict[str, Any]:
     """The knee document at ``path`` (if any) with ``rows`` in it: a series run again replaces
     its earlier knees, the others stay; ``commands`` lists every run that gave a series."""
     old: dict[str, Any] = orjson.loads(path.read_bytes()) if path.exists() else {}
     new = {_key(r) for r in rows}
     kept = [r for r in old.get("series", []) if _key(r) not in new]
-    series = sorted([*kept, *({**r, "command": command} for r in rows)], key=_key)
-    commands = list(dict.fromkeys(r["command"] for r in series))
+    series = sorted([*kept, *({**r, "command": command} for r in rows)], key=_order)
+    giving = {r["command"] for r in series}  # in the order the runs were made
+    commands = [c for c in dict.fromkeys([*old.get("commands", []), command]) if c in giving]
     return {"label": "simulated", "tolerance": TOLERANCE, "commands": commands, "series": series}
 
 
