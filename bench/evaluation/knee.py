@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = merged_into(args.out / KNEE_FILE, rows, command)
     (args.out / KNEE_FILE).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     text = "\n".join(knee_lines(doc))
-    (args.out / "knee.md").write_text("#" + text)  # a document of its own: a top heading
+    (args.out / "knee.md").write_text(text.replace("## ", "# ", 1))  # a document of its own
     print(text)
     return 0
 
