@@ -13,7 +13,7 @@ the rate's index``) unless a caller replaces it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.evaluation.runs import PointJob
@@ -29,6 +29,20 @@ from bench.evaluation.setup import (
 from bench.evaluation.static import even, independent, placeable
 
 
+def sweep_of(k: Knowledge, gpus: int, kind: str) -> dict[str, float]:
+    """The sweep's anchor: Scepsy's predicted capacity (``capacity``) and, for combined, beam
+    search's fixed rate (``beam_rate``; 0 otherwise)."""
+    if kind != "combined":
+        return {"capacity": capacity(k, kind, gpus), "beam_rate": 0.0}
+    beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
+    # anchored at RAG's capacity beside beam at its own rate (not at an unreachable RAG
+    # target, where the search would cut beam to RAG's fraction too)
+    return {
+        "capacity": capacity_beside(k, "rag", {"beam": beam_rate}, gpus),
+        "beam_rate": beam_rate,
+    }
+
+
 def point_jobs(
     k: Knowledge,
     gpus: int,
@@ -36,21 +50,17 @@ def point_jobs(
     fractions: Sequence[float],
     lengths: RunLengths,
     systems: Sequence[str],
+    sweep: Mapping[str, float] | None = None,
 ) -> tuple[list[PointJob], dict[str, Any]]:
-    beam_rate = 0.0
-    if kind == "combined":
-        beam_rate = COMBINED_BEAM_FRACTION * capacity(k, "beam", gpus)
-        # anchored at RAG's capacity beside beam at its own rate (not at an unreachable
-        # RAG target, where the search would cut beam to RAG's fraction too)
-        top = capacity_beside(k, "rag", {"beam": beam_rate}, gpus)
-        light = max(k.light_latency.values())
-    else:
-        top = capacity(k, kind, gpus)
-        light = k.light_latency[kind]
+    """The jobs of ``fractions`` x the sweep's capacity (``sweep``: one :func:`sweep_of`
+    gave already, not searched again), and the sweep."""
+    anchor = dict(sweep) if sweep is not None else sweep_of(k, gpus, kind)
+    top, beam_rate = anchor["capacity"], anchor["beam_rate"]
+    light = max(k.light_latency.values()) if kind == "combined" else k.light_latency[kind]
     jobs = []
     below = [s for s in systems if s in BELOW_SWEEP_SYSTEMS]
-    sweep = [(f, systems) for f in fractions] + [(f, below) for f in BELOW_SWEEP_FRACTIONS]
-    for i, (f, at_f) in enumerate(sweep):
+    rates = [(f, systems) for f in fractions] + [(f, below) for f in BELOW_SWEEP_FRACTIONS]
+    for i, (f, at_f) in enumerate(rates):
         rate = f * top
         targets = {"beam": beam_rate, "rag": rate} if kind == "combined" else {kind: rate}
         kinds = tuple(targets)
@@ -95,4 +105,4 @@ def point_jobs(
                     meta=meta,
                 )
             )
-    return jobs, {"capacity": top, "beam_rate": beam_rate}
+    return jobs, anchor

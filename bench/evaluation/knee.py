@@ -34,7 +34,7 @@ from typing import Any
 
 import orjson
 
-from bench.evaluation.jobs import point_jobs
+from bench.evaluation.jobs import point_jobs, sweep_of
 from bench.evaluation.runs import PointJob, run_point
 from bench.evaluation.scepsy import Knowledge, knowledge_from_doc
 from bench.evaluation.setup import FULL, QUICK, SYSTEMS, WORKFLOWS
@@ -134,23 +134,25 @@ def seek(
 
 
 def _job_at(
-    k: Knowledge, series: Series, rate: float, top: float, seed: int, quick: bool
+    k: Knowledge, series: Series, rate: float, sweep: dict[str, float], seed: int, quick: bool
 ) -> PointJob:
     wf, gpus, system = series
-    jobs, sweep = point_jobs(k, gpus, wf, [rate / top], QUICK if quick else FULL, [system])
-    if not math.isclose(sweep["capacity"], top, rel_tol=1e-9):
-        raise ValueError(f"{wf} on {gpus} GPUs: capacity {sweep['capacity']} != the run's {top}")
+    top = sweep["capacity"]
+    lengths = QUICK if quick else FULL
+    jobs, _ = point_jobs(k, gpus, wf, [rate / top], lengths, [system], sweep)
     job = min(jobs, key=lambda j: abs(j.rate - rate))  # not the below-sweep extras
     return replace(job, seed=seed)
 
 
-def _seek_one(args: tuple[Knowledge, Series, Bracket, float, int, bool]) -> dict[str, Any]:
-    k, series, first, top, seed, quick = args
+def _seek_one(
+    args: tuple[Knowledge, Series, Bracket, dict[str, float], int, bool],
+) -> dict[str, Any]:
+    k, series, first, sweep, seed, quick = args
 
     def check(rate: float) -> bool:
-        return counts(run_point(_job_at(k, series, rate, top, seed, quick)))
+        return counts(run_point(_job_at(k, series, rate, sweep, seed, quick)))
 
-    b, runs, censored = seek(first, top, check)
+    b, runs, censored = seek(first, sweep["capacity"], check)
     return {"seed": seed, "knee": b.lo, "hi": b.hi, "censored": censored, "runs": runs}
 
 
@@ -164,13 +166,21 @@ def knees(
     meta = run.get("meta", {})
     quick = bool(meta.get("quick", "--quick" in meta.get("command", "")))
     tasks = []
+    checked: set[tuple[str, int]] = set()
     for s in want:
         if s not in grid:
             continue
-        top = run["sweeps"][s[0]][str(s[1])]["capacity"]
+        sweep = run["sweeps"][s[0]][str(s[1])]
+        if s[:2] not in checked:  # the knowledge must give the run's grid, once per sweep
+            again = sweep_of(k, s[1], s[0])["capacity"]
+            if not math.isclose(again, sweep["capacity"], rel_tol=1e-9):
+                raise ValueError(
+                    f"{s[0]} on {s[1]} GPUs: capacity {again} != the run's {sweep['capacity']}"
+                )
+            checked.add(s[:2])
         first = grid_bracket(grid[s])
         for i in range(seeds):
-            tasks.append((k, s, first, top, 1000 * s[1] + SEED_STEP * (i + 1), quick))
+            tasks.append((k, s, first, sweep, 1000 * s[1] + SEED_STEP * (i + 1), quick))
     results = list(pool.map(_seek_one, tasks))
     out = []
     for s in want:
