@@ -35,7 +35,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from bench.accuracy import pick_sets
+from bench.accuracy import pick_reprofile, pick_sets
 from bench.accuracy.alp_accuracy import (
     GPU,
     LATENCY_LOAD_MAX,
@@ -73,9 +73,10 @@ from optimizer.model import colocation
 from optimizer.model.alp import ModelAlloc, Pipeline, Prediction, predict
 from optimizer.model.colocation import Placed
 from optimizer.model.curves import ProfileBook
-from shared.profile_points import packed_copies
+from optimizer.stats.figures import WorkflowStats
+from shared.profile_points import ProfilePoint, packed_copies
 from sim.cluster import place
-from sim.profiling import run_profile
+from sim.profiling import ProfileJob, run_profile
 
 LOADS, QUICK_LOADS = (0.2, 0.4, 0.6, 0.8), (0.4, 0.8)  # of predicted T_w
 MAX_WORKERS = 2  # the bench shares two cores
@@ -150,6 +151,16 @@ class Learned:
     pipe: Pipeline
     book: ProfileBook
     settle_s: float  # a few light-load request latencies: the pipeline's fill
+    stats: WorkflowStats  # the trace's statistics (``pipe`` is made of them)
+    trace: dict[str, Any]  # the trace's figures (``alp_plan._trace``'s second half)
+    points: tuple[ProfilePoint, ...]  # what ``book`` is made of
+
+    def with_points(self, points: Sequence[ProfilePoint]) -> Learned:
+        """The same knowledge with ``points`` added to the book (``pick_reprofile``)."""
+        if not points:
+            return self
+        every = (*self.points, *points)
+        return replace(self, book=ProfileBook(every), points=every)
 
     def predict(self, alloc: Alloc, rate: float | None) -> Prediction:
         """The ALP's prediction for ``alloc`` where the simulator places it, each model read
@@ -166,6 +177,69 @@ class Learned:
             )
         )
         return predict(self.pipe, self.book, allocation, rate or 0.0, busy=busy)
+
+
+def _run_profiles(
+    pool: Executor, jobs: Sequence[ProfileJob], reused_from: Path | None, stage: str
+) -> list[list[ProfilePoint]]:
+    """Each job's profile points: an earlier run's where ``reused_from`` holds its key,
+    else profiled in ``pool`` (longest first, so the pool does not end on one long job)."""
+    reused = _reused_points(reused_from)
+    done = {j: reused[_job_key(job)] for j, job in enumerate(jobs) if _job_key(job) in reused}
+    order = sorted(
+        (j for j in range(len(jobs)) if j not in done), key=lambda j: -jobs[j].target_calls
+    )
+    _progress(f"{stage}; profiling {len(order)} keys ({len(done)} reused)")
+    done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
+    return [list(done[j]) for j in range(len(jobs))]
+
+
+def _checkpoint(out: Path, quick: bool, docs: Sequence[dict[str, Any]]) -> None:
+    """The profile points so far, for a later run's ``--profiles-from``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PROFILES_FILE).write_bytes(
+        orjson.dumps(
+            {"label": "simulated", "quick": quick, "profile_points": list(docs)},
+            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+        )
+    )
+
+
+def reprofile(
+    pool: Executor,
+    learned: Mapping[str, Learned],
+    judged: Sequence[Judged],
+    quick: bool,
+    reused_from: Path | None,
+) -> tuple[dict[str, Learned], list[ProfileJob], list[list[ProfilePoint]]]:
+    """Per workflow, the knowledge after the daemon's reprofiler ran for the judged
+    allocations' keys (:mod:`bench.accuracy.pick_reprofile`), and the jobs and points."""
+    jobs = [
+        job
+        for w, k in learned.items()
+        for job in pick_reprofile.reprofile_jobs(
+            k.case,
+            k.stats,
+            k.trace,
+            k.book,
+            [j.case.allocations[j.index] for j in judged if j.workflow == w],
+            GPU,
+            quick,
+        )
+    ]
+    profiled = _run_profiles(pool, jobs, reused_from, "reprofiling the uncovered keys")
+    after = {
+        w: k.with_points(
+            [
+                p
+                for job, pts in zip(jobs, profiled, strict=True)
+                if job.case.workflow == w
+                for p in pts
+            ]
+        )
+        for w, k in learned.items()
+    }
+    return after, jobs, profiled
 
 
 def learn(
@@ -187,37 +261,26 @@ def learn(
     # a share that packs copies onto a GPU is measured alone too: the prediction reads each
     # replica between the two ends by how busy its placed neighbours are
     jobs += [replace(job, alone=True) for job in jobs if packed_copies(job.share) > 1]
-    reused = _reused_points(reused_from)
-    done = {j: reused[_job_key(job)] for j, job in enumerate(jobs) if _job_key(job) in reused}
-    # longest first, so the pool does not end on one long job
-    order = sorted(
-        (j for j in range(len(jobs)) if j not in done), key=lambda j: -jobs[j].target_calls
-    )
-    _progress(f"traced; profiling {len(order)} keys ({len(done)} reused)")
-    done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
-    profiled = [done[j] for j in range(len(jobs))]
+    profiled = _run_profiles(pool, jobs, reused_from, "traced")
     docs = _profile_docs(jobs, profiled)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PROFILES_FILE).write_bytes(
-        orjson.dumps(
-            {"label": "simulated", "quick": quick, "profile_points": docs},
-            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+    _checkpoint(out, quick, docs)
+    learned = {}
+    for case, (stats, info) in zip(run, traced, strict=True):
+        points = tuple(
+            p
+            for job, pts in zip(jobs, profiled, strict=True)
+            if job.case.workflow == case.workflow
+            for p in pts
         )
-    )
-    learned = {
-        case.workflow: Learned(
+        learned[case.workflow] = Learned(
             case,
             Pipeline.from_stats(stats),
-            ProfileBook(
-                p
-                for job, pts in zip(jobs, profiled, strict=True)
-                if job.case.workflow == case.workflow
-                for p in pts
-            ),
+            ProfileBook(points),
             SETTLE_LATENCIES * info["latency_mean_s"],
+            stats,
+            info,
+            points,
         )
-        for case, (stats, info) in zip(run, traced, strict=True)
-    }
     return learned, docs
 
 
@@ -316,6 +379,31 @@ def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
     return pick_sets.stage_check(job.case, k.pipe, alloc, pred, n, warmup, job.seed)
 
 
+def borrowed(k: Learned, doc: dict[str, Any]) -> tuple[dict[str, Any], float, list[float]]:
+    """``doc``'s allocation predicted with the fitted set's keys only (``k``: before the
+    reprofiler ran), against the same simulated figures: its capacity and each latency
+    point's prediction at the point's rate, with their errors."""
+    alloc: Alloc = {
+        m: (int(a["replicas"]), int(a["tp"]), float(a["share"]))
+        for m, a in doc["allocation"].items()
+    }
+    cap = k.predict(alloc, None).throughput
+    thr_err = _err(cap, doc["throughput"]["simulated"])
+    out: dict[str, Any] = {
+        "curves": pick_sets.provenance(k.book, alloc),
+        "throughput": {"predicted": cap, "error": thr_err},
+        "latency": [],
+    }
+    lat_errs = []
+    for point in doc["latency"]:
+        pred = k.predict(alloc, point["rate"]).latency
+        err = _err(pred, point["simulated"])
+        if point["load"] <= LATENCY_LOAD_MAX + 1e-9:
+            lat_errs.append(err)
+        out["latency"].append({"load": point["load"], "predicted": pred, "error": err})
+    return out, thr_err, lat_errs
+
+
 def _point_docs(
     k: Learned, j: Judged, jobs: Sequence[EvalJob], sims: Sequence[dict[str, Any]]
 ) -> tuple[dict[str, Any], float, list[float]]:
@@ -386,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rate-fractions", nargs="+", type=float, help="of the largest feasible rate")
     ap.add_argument("--held-out", type=int, help="held-out allocations per workflow")
     ap.add_argument("--loads", nargs="+", type=float, help="of predicted T_w")
+    ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS), help="sets to judge")
     args = ap.parse_args(argv)
     scope = Scope.of(
         args.quick,
@@ -399,7 +488,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ProcessPoolExecutor(max_workers=max(1, min(args.workers, MAX_WORKERS))) as pool:
         learned, docs = learn(pool, cases, args.quick, args.profiles_from, args.out)
         profile_s = time.perf_counter() - started
-        judged = [j for k in learned.values() for j in judged_allocations(k, scope)]
+        judged = [
+            j for k in learned.values() for j in judged_allocations(k, scope) if j.set in args.sets
+        ]
+        fitted = learned
+        learned, re_jobs, re_points = reprofile(
+            pool, fitted, judged, args.quick, args.profiles_from
+        )
+        docs += _profile_docs(re_jobs, re_points)
+        _checkpoint(args.out, args.quick, docs)
+        profile_s = time.perf_counter() - started
         jobs = {id(j): eval_jobs(learned[j.workflow], j, scope) for j in judged}
         flat = [ev for j in judged for ev in jobs[id(j)]]
         # capacity jobs first: each is a sequence of runs, the longest jobs
@@ -439,9 +537,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pipelines": {w: asdict(k.pipe) for w, k in learned.items()},
         "profiles_reused_from": str(args.profiles_from or ""),
         "targets": TARGETS,
-        "profiled_keys": "the fitted set's (bench.accuracy.alp_accuracy): other shares are scaled",
-        "sets": {s: {} for s in SETS},
-        "summary": {s: {} for s in SETS},
+        "profiled_keys": "the fitted set's (bench.accuracy.alp_accuracy), then the keys the "
+        "daemon's reprofiler profiles for the judged allocations (bench.accuracy.pick_reprofile, "
+        "alone): other shares are scaled; <set>_borrowed: the same truth predicted with the "
+        "fitted set's keys only",
+        "reprofiled_keys": sorted(
+            {(job.case.workflow, job.model, job.tp, job.share) for job in re_jobs}
+        ),
+        "sets": {s: {} for s in args.sets},
+        "summary": {s: {} for s in args.sets} | {f"{s}_borrowed": {} for s in args.sets},
     }
     pos = 0
     errors: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
@@ -457,15 +561,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "models": stage,
         }
+        doc["borrowed"], b_thr, b_lat = borrowed(fitted[j.workflow], doc)
         report["sets"][j.set].setdefault(j.workflow, []).append(doc)
-        thr_errors, lat_errors = errors.setdefault((j.set, j.workflow), ([], []))
-        thr_errors.append(thr)
-        lat_errors.extend(lat)
+        for name, t, ls in ((j.set, thr, lat), (f"{j.set}_borrowed", b_thr, b_lat)):
+            thr_errors, lat_errors = errors.setdefault((name, j.workflow), ([], []))
+            thr_errors.append(t)
+            lat_errors.extend(ls)
     for (s, wf), (thr_errors, lat_errors) in sorted(errors.items()):
-        report["summary"][s][wf] = {
-            **summary(thr_errors, lat_errors),
-            **band_coverage(report["sets"][s][wf]),
-        }
+        report["summary"][s][wf] = summary(thr_errors, lat_errors)
+        if s in report["sets"]:
+            report["summary"][s][wf] |= band_coverage(report["sets"][s][wf])
     report["profile_points"] = docs
     report["profile_s"] = round(profile_s, 1)
     report["wall_s"] = round(time.perf_counter() - started, 1)

@@ -43,6 +43,7 @@ from optimizer.plan.observed import RunningReplica
 from optimizer.stats.figures import WorkflowStats
 from shared.cluster import Cluster
 from shared.optimizer_settings import ReprofileSettings
+from shared.profile_points import ProfileKey
 
 __all__ = [
     "PROFILING_PREFIX",
@@ -58,6 +59,7 @@ __all__ = [
     "find_slot",
     "is_profiling",
     "triggers",
+    "uncovered",
     "wanted_keys",
 ]
 
@@ -177,37 +179,44 @@ def _no_profile(inp: TriggerInput) -> list[ReprofileRequest]:
     ]
 
 
+def uncovered(
+    measured: Iterable[ProfileKey], key: WantedKey, settings: ReprofileSettings
+) -> str | None:
+    """Why ``key`` is ``uncovered`` by the replayed keys ``measured`` (the module docstring's
+    rule, in words), ``None`` where it is covered."""
+    same = [p for p in measured if (p.model, p.gpu_type, p.tp) == (key.model, key.gpu_type, key.tp)]
+    if not same:
+        return (
+            f"the proposal places {key.model} at tp={key.tp} on {key.gpu_type}, "
+            "where no point was measured"
+        )
+    if (
+        settings.borrowed_shares
+        and key.share < 1.0 - 1e-6
+        and not any(p.share < 1.0 - 1e-6 for p in same)
+    ):
+        return (
+            f"the proposal places {key.model} at share {key.share:g} on {key.gpu_type} "
+            f"(tp={key.tp}), where no fractional share was measured: its share curve "
+            "borrows other models' exponents"
+        )
+    if settings.scaled_shares and not any(abs(p.share - key.share) < 1e-6 for p in same):
+        return (
+            f"the proposal places {key.model} at share {key.share:g} on {key.gpu_type} "
+            f"(tp={key.tp}), scaled from share(s) "
+            f"{', '.join(f'{p.share:g}' for p in sorted(same, key=lambda p: p.share))}"
+        )
+    return None
+
+
 def _uncovered(inp: TriggerInput) -> list[ReprofileRequest]:
-    measured = list(inp.book.profiles)
     out = []
     for k in inp.wanted:
         if k.model not in inp.servable or k.tp > inp.settings.max_gpus or not k.gpu_type:
             continue
-        same = [p for p in measured if (p.model, p.gpu_type, p.tp) == (k.model, k.gpu_type, k.tp)]
-        if not same:
-            detail = (
-                f"the proposal places {k.model} at tp={k.tp} on {k.gpu_type}, "
-                "where no point was measured"
-            )
-        elif (
-            inp.settings.borrowed_shares
-            and k.share < 1.0 - 1e-6
-            and not any(p.share < 1.0 - 1e-6 for p in same)
-        ):
-            detail = (
-                f"the proposal places {k.model} at share {k.share:g} on {k.gpu_type} "
-                f"(tp={k.tp}), where no fractional share was measured: its share curve "
-                "borrows other models' exponents"
-            )
-        elif inp.settings.scaled_shares and not any(abs(p.share - k.share) < 1e-6 for p in same):
-            detail = (
-                f"the proposal places {k.model} at share {k.share:g} on {k.gpu_type} "
-                f"(tp={k.tp}), scaled from share(s) "
-                f"{', '.join(f'{p.share:g}' for p in sorted(same, key=lambda p: p.share))}"
-            )
-        else:
-            continue
-        out.append(ReprofileRequest(k.model, k.gpu_type, k.tp, k.share, "uncovered", detail))
+        detail = uncovered(inp.book.profiles, k, inp.settings)
+        if detail is not None:
+            out.append(ReprofileRequest(k.model, k.gpu_type, k.tp, k.share, "uncovered", detail))
     return out
 
 

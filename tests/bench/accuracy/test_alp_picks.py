@@ -28,20 +28,40 @@ CURVES: dict[
     (B1, 1, 1.0): ([(0.54, 1.06), (8.0, 1.33), (17.4, 2.01), (24.6, 3.48)], (29.5, 26.2, 4.6)),
     (B1, 1, 0.5): ([(0.26, 1.31), (3.75, 2.01), (8.5, 2.91), (14.3, 6.41)], (17.5, 13.7, 7.0)),
 }
+# What the daemon's reprofiler measures for the held-out 0.75 8B (no fractional share of the
+# 8B is in the fitted set): alone on its GPU
+REPROFILED = {
+    (G8, 1, 0.75): ([(0.4, 1.62), (2.5, 1.85), (5.8, 2.7), (10.0, 5.2)], (14.0, 11.5, 8.8)),
+}
 
 
-def _point(key: tuple[str, int, float], offered: float, got: float, lat: float) -> ProfilePoint:
+def _point(
+    key: tuple[str, int, float], offered: float, got: float, lat: float, alone: bool = False
+) -> ProfilePoint:
     m, tp, share = key
     return ProfilePoint(
-        m, "sim-engine", "a6000", tp, share, offered, got, lat, lat, lat, lat, 0.05, 1000
+        m,
+        "sim-engine",
+        "a6000",
+        tp,
+        share,
+        offered,
+        got,
+        lat,
+        lat,
+        lat,
+        lat,
+        0.05,
+        1000,
+        colocation="alone" if alone else "",
     )
 
 
-def _points() -> list[ProfilePoint]:
+def _points(curves: dict[Any, Any] = CURVES, alone: bool = False) -> list[ProfilePoint]:
     out = []
-    for key, (kept, (offered, got, lat)) in CURVES.items():
-        out += [_point(key, r, r, lat) for r, lat in kept]
-        out.append(_point(key, offered, got, lat))
+    for key, (kept, (offered, got, lat)) in curves.items():
+        out += [_point(key, r, r, lat, alone) for r, lat in kept]
+        out.append(_point(key, offered, got, lat, alone))
     return out
 
 
@@ -81,7 +101,14 @@ def test_provenance_names_scaled_curves() -> None:
 def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
     profiles = tmp_path / "profiles.json"
     profiles.write_bytes(
-        orjson.dumps({"profile_points": [{"workflow": "fanout", **asdict(p)} for p in _points()]})
+        orjson.dumps(
+            {
+                "profile_points": [
+                    {"workflow": "fanout", **asdict(p)}
+                    for p in _points() + _points(REPROFILED, alone=True)
+                ]
+            }
+        )
     )
     out = tmp_path / "out"
     argv = ["--out", str(out), "--quick", "--workflows", "fanout", "--workers", "1"]
@@ -89,7 +116,11 @@ def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
     assert main([*argv, "--held-out", "1", "--loads", "0.4"]) == 0
     report: dict[str, Any] = orjson.loads((out / "alp_picks.json").read_bytes())
     assert report["label"] == "simulated"
-    assert set(report["sets"]) == set(report["summary"]) == {"search_picks", "held_out"}
+    assert set(report["sets"]) == {"search_picks", "held_out"}
+    assert set(report["summary"]) == {"search_picks", "held_out"} | {
+        "search_picks_borrowed",
+        "held_out_borrowed",
+    }
     for s in ("search_picks", "held_out"):
         summary = report["summary"][s]["fanout"]
         assert summary["allocations"] == 1 and summary["latency_points"] == 1
@@ -103,6 +134,13 @@ def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
         assert set(doc["curves"]) == set(doc["stage_check"]["models"]) == {B1, G8}
     held = report["sets"]["held_out"]["fanout"][0]
     assert held["curves"][B1]["curve"] == "scaled"  # 0.25 of a model profiled at 0.5 and 1.0
+    # the 8B's 0.75 borrowed the 1B's exponents: the daemon's reprofiler profiles it (reused
+    # here), and the fitted-set-only prediction is reported beside, on the same truth
+    assert report["reprofiled_keys"] == [["fanout", G8, 1, 0.75]]
+    assert held["curves"][G8]["curve"] == "measured"
+    assert held["borrowed"]["curves"][G8]["curve"] == "scaled"
+    assert held["borrowed"]["throughput"]["predicted"] != held["throughput"]["predicted"]
+    assert report["summary"]["held_out_borrowed"]["fanout"]["allocations"] == 1
     # the pick is what the search returns for the recorded pipeline, book and rate
     pick = report["sets"]["search_picks"]["fanout"][0]
     (at,) = pick["picked_at"]
