@@ -379,14 +379,12 @@ def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
     return pick_sets.stage_check(job.case, k.pipe, alloc, pred, n, warmup, job.seed)
 
 
-def borrowed(k: Learned, doc: dict[str, Any]) -> tuple[dict[str, Any], float, list[float]]:
-    """``doc``'s allocation predicted with the fitted set's keys only (``k``: before the
-    reprofiler ran), against the same simulated figures: its capacity and each latency
+def borrowed(
+    k: Learned, alloc: Alloc, doc: dict[str, Any]
+) -> tuple[dict[str, Any], float, list[float]]:
+    """``alloc`` (judged in ``doc``) predicted with the fitted set's keys only (``k``: before
+    the reprofiler ran), against the same simulated figures: its capacity and each latency
     point's prediction at the point's rate, with their errors."""
-    alloc: Alloc = {
-        m: (int(a["replicas"]), int(a["tp"]), float(a["share"]))
-        for m, a in doc["allocation"].items()
-    }
     cap = k.predict(alloc, None).throughput
     thr_err = _err(cap, doc["throughput"]["simulated"])
     out: dict[str, Any] = {
@@ -561,7 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "models": stage,
         }
-        doc["borrowed"], b_thr, b_lat = borrowed(fitted[j.workflow], doc)
+        doc["borrowed"], b_thr, b_lat = borrowed(
+            fitted[j.workflow], j.case.allocations[j.index], doc
+        )
         report["sets"][j.set].setdefault(j.workflow, []).append(doc)
         for name, t, ls in ((j.set, thr, lat), (f"{j.set}_borrowed", b_thr, b_lat)):
             thr_errors, lat_errors = errors.setdefault((name, j.workflow), ([], []))
