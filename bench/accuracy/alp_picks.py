@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +151,11 @@ class Learned:
     pipe: Pipeline
     book: ProfileBook
     settle_s: float  # a few light-load request latencies: the pipeline's fill
-    stats: WorkflowStats  # the trace's statistics (``pipe`` is made of them)
-    trace: dict[str, Any]  # the trace's figures (``alp_plan._trace``'s second half)
     points: tuple[ProfilePoint, ...]  # what ``book`` is made of
+    # the trace's statistics (``pipe`` is made of them) and figures (``alp_plan._trace``'s):
+    # what new profiling jobs need; None where only predictions are made (``picks_replay``)
+    stats: WorkflowStats | None = None
+    trace: dict[str, Any] = field(default_factory=dict)
 
     def with_points(self, points: Sequence[ProfilePoint]) -> Learned:
         """The same knowledge with ``points`` added to the book (``pick_reprofile``)."""
@@ -217,6 +219,7 @@ def reprofile(
     jobs = [
         job
         for w, k in learned.items()
+        if k.stats is not None
         for job in pick_reprofile.reprofile_jobs(
             k.case,
             k.stats,
@@ -277,9 +280,9 @@ def learn(
             Pipeline.from_stats(stats),
             ProfileBook(points),
             SETTLE_LATENCIES * info["latency_mean_s"],
+            points,
             stats,
             info,
-            points,
         )
     return learned, docs
 

@@ -65,9 +65,7 @@ def books_of(run: Path) -> dict[str, ProfileBook]:
 
 
 def _allocation(doc: dict[str, dict[str, float]]) -> dict[str, ModelAlloc]:
-    return {
-        m: ModelAlloc(int(a["replicas"]), int(a["tp"]), float(a["share"])) for m, a in doc.items()
-    }
+    return {m: ModelAlloc.from_doc(a) for m, a in doc.items()}
 
 
 def replay(run: Path) -> dict[str, Any]:

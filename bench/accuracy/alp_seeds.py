@@ -46,18 +46,7 @@ def _alloc_index(case_allocations: Sequence[Alloc], doc: dict[str, dict[str, flo
     def key(a: ModelAlloc) -> tuple[int, int, float, int, float]:
         return a.replicas, a.tp, round(a.share, 6), a.rest, round(a.rest_share, 6)
 
-    wanted = {
-        m: key(
-            ModelAlloc(
-                int(a["replicas"]),
-                int(a["tp"]),
-                float(a["share"]),
-                int(a.get("rest", 0)),
-                float(a.get("rest_share", 0.0)),
-            )
-        )
-        for m, a in doc.items()
-    }
+    wanted = {m: key(ModelAlloc.from_doc(a)) for m, a in doc.items()}
     for i, alloc in enumerate(case_allocations):
         if {m: key(ModelAlloc(*row)) for m, row in alloc.items()} == wanted:
             return i

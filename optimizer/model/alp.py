@@ -208,6 +208,17 @@ class ModelAlloc:
             out |= {"rest": self.rest, "rest_share": round(self.rest_share, 4)}
         return out
 
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, float]) -> ModelAlloc:
+        """The allocation :meth:`doc` wrote (``gpus`` is derived, so not read)."""
+        return cls(
+            int(doc["replicas"]),
+            int(doc["tp"]),
+            float(doc["share"]),
+            int(doc.get("rest", 0)),
+            float(doc.get("rest_share", 0.0)),
+        )
+
     def shares(self) -> str:
         """The share column of a table: ``0.50``, or ``1.00 + 1 x 0.50`` with a rest group."""
         return f"{self.share:.2f}" + (

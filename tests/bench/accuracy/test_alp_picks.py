@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.accuracy import pick_sets
+from bench.accuracy import pick_sets, picks_replay
 from bench.accuracy.alp_picks import main
 from optimizer.model.alp import Overlap, Pipeline, Stage
 from optimizer.model.curves import ProfileBook
@@ -155,3 +155,10 @@ def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
     direct = solve.search_and_place(pick_sets.problem(pipe, _book(), 4, at["rate"]))
     want = pick_sets.as_alloc(direct.result.workflows[0].allocation)
     assert {m: (a["replicas"], a["tp"], a["share"]) for m, a in pick["allocation"].items()} == want
+    # the replay rebuilds the run's pipeline and book: today's predictions are the run's
+    replayed = picks_replay.replay(out / "alp_picks.json")
+    for row in replayed["points"]:
+        assert row["throughput"][1] == pytest.approx(row["throughput"][0], rel=1e-9)
+        for _, then, now in row["latency"]:
+            assert now == pytest.approx(then, rel=1e-9)
+    assert len(replayed["points"]) == 2

@@ -70,6 +70,9 @@ def test_groups_gpus_and_the_json_shape() -> None:
     }
     assert "rest" not in ModelAlloc(2, 2, 0.5).doc()
     assert MIXED.shares() == "1.00 + 1 x 0.50"
+    # the document reads back as the allocation (a report's reader keeps the rest group)
+    for a in (MIXED, ModelAlloc(2, 2, 0.5), ModelAlloc(1, 1, 0.25, 2, 0.125)):
+        assert ModelAlloc.from_doc(a.doc()) == a
 
 
 def test_the_running_allocation_keeps_a_remainder_as_its_rest_group() -> None:
