@@ -11,9 +11,14 @@ a GPU).
 
 Per workflow (beam, RAG, fan-out: ``bench.accuracy.alp_accuracy``'s cases) the trace and the
 profiles are the fitted bench's own (``_trace``, ``_profile_jobs``) over the fitted set's keys
-only: whole GPUs, 0.5 shares of the small models, TP 2 of the 8B ones. Every other share is
-derived by the product's share model, and each allocation records per model whether its curve
-was measured or scaled. For every allocation: predicted ``T_w`` and the mean latency at
+only: whole GPUs, 0.5 shares of the small models, TP 2 of the 8B ones; then, as the daemon's
+reprofiler would once a proposal placed them, the judged allocations' keys its shipped
+``uncovered`` rule names (a fractional share of a model measured only whole, whose share
+exponents would be other models'), each measured alone (``bench.accuracy.pick_reprofile``).
+Every other share is derived by the product's share model, and each allocation records per
+model whether its curve was measured or scaled; beside it, ``borrowed`` is the same
+allocation predicted with the fitted set's keys only, on the same truth (the summary's
+``<set>_borrowed``). For every allocation: predicted ``T_w`` and the mean latency at
 20..80% of it (``optimizer.model.alp``), the simulated truth from ``bench.accuracy.alp_truth``
 (the same jobs, seeds and run-length rules as the fitted bench), and at the highest latency
 load a per-model check (``pick_sets.stage_check``): each model's simulated call latency
@@ -23,9 +28,9 @@ uncertainty band (``optimizer.model.alp``'s ``capacity_low`` .. ``throughput`` a
 relative error of throughput and of mean latency at <= 80% load (targets 10% and 15%), and
 the share of figures inside their band.
 
-``--quick`` (a smoke run, under ten minutes on two cores): 4 GPUs only, two rates, two
-held-out allocations per workflow, two loads, the fitted bench's quick windows; its errors are
-indicative.
+``--sets held_out`` judges one set. ``--quick`` (a smoke run, under ten minutes on two
+cores): 4 GPUs only, two rates, two held-out allocations per workflow, two loads, the fitted
+bench's quick windows; its errors are indicative.
 """
 
 from __future__ import annotations
@@ -488,7 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
     with ProcessPoolExecutor(max_workers=max(1, min(args.workers, MAX_WORKERS))) as pool:
         learned, docs = learn(pool, cases, args.quick, args.profiles_from, args.out)
-        profile_s = time.perf_counter() - started
         judged = [
             j for k in learned.values() for j in judged_allocations(k, scope) if j.set in args.sets
         ]
