@@ -28,7 +28,8 @@ uncertainty band (``optimizer.model.alp``'s ``capacity_low`` .. ``throughput`` a
 relative error of throughput and of mean latency at <= 80% load (targets 10% and 15%), and
 the share of figures inside their band.
 
-``--sets held_out`` judges one set. ``--quick`` (a smoke run, under ten minutes on two
+What it predicts with is :mod:`bench.accuracy.pick_knowledge`'s; its report's figures are
+:mod:`bench.accuracy.pick_report`'s. ``--sets held_out`` judges one set. ``--quick`` (a smoke run, under ten minutes on two
 cores): 4 GPUs only, two rates, two held-out allocations per workflow, two loads, the fitted
 bench's quick windows; its errors are indicative.
 """
@@ -36,33 +37,23 @@ bench's quick windows; its errors are indicative.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
-import sys
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench.accuracy import pick_reprofile, pick_sets
+from bench.accuracy import pick_sets
 from bench.accuracy.alp_accuracy import (
     GPU,
     LATENCY_LOAD_MAX,
-    PROFILES_FILE,
-    SETTLE_LATENCIES,
     TARGETS,
     _cases,
-    _job_key,
     _profile_docs,
-    _profile_jobs,
-    _reused_points,
-    _trace,
     latency_seed,
-    quick_cases,
 )
 from bench.accuracy.alp_truth import (
     CAP_PRECISION,
@@ -71,236 +62,20 @@ from bench.accuracy.alp_truth import (
     LATENCY_SE_QUICK,
     EvalJob,
     evaluate,
-    sim_allocation,
 )
-from bench.accuracy.cases import Alloc, Case
-from optimizer.model import colocation
-from optimizer.model.alp import ModelAlloc, Pipeline, Prediction, predict
-from optimizer.model.colocation import Placed
-from optimizer.model.curves import ProfileBook
-from optimizer.stats.figures import WorkflowStats
-from shared.profile_points import ProfilePoint, packed_copies
-from sim.cluster import place
-from sim.profiling import ProfileJob, run_profile
+from bench.accuracy.cases import Alloc
+from bench.accuracy.pick_knowledge import Learned, checkpoint, learn, progress, reprofile
+from bench.accuracy.pick_report import (
+    Judged,
+    band_coverage,
+    borrowed,
+    point_docs,
+    summary,
+)
 
 LOADS, QUICK_LOADS = (0.2, 0.4, 0.6, 0.8), (0.4, 0.8)  # of predicted T_w
 MAX_WORKERS = 2  # the bench shares two cores
 SETS = ("search_picks", "held_out")
-# a figure within this of the prediction's uncertainty band counts as inside it (the
-# simulated truth's own precision: 3-5% standard error, CAP_PRECISION 3-10%)
-BAND_TOL = 0.05
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _err(pred: float, sim: float) -> float:
-    return abs(pred - sim) / sim if sim > 0 else float("inf")
-
-
-def summary(throughput_errors: Sequence[float], latency_errors: Sequence[float]) -> dict[str, Any]:
-    """Max and median relative error of max throughput and of mean latency (<= 80% load)."""
-
-    def stats(xs: Sequence[float]) -> tuple[float, float]:
-        return (max(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
-
-    t_max, t_med = stats(throughput_errors)
-    l_max, l_med = stats(latency_errors)
-    return {
-        "throughput_error_max": t_max,
-        "throughput_error_median": t_med,
-        "latency_error_max": l_max,
-        "latency_error_median": l_med,
-        "allocations": len(throughput_errors),
-        "latency_points": len(latency_errors),
-        "meets_targets": t_max <= TARGETS["throughput_error_max"]
-        and l_max <= TARGETS["latency_error_max"],
-    }
-
-
-def band_coverage(docs: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """The share of throughput and latency figures (<= 80% load) inside the prediction's
-    uncertainty band (``within_band``)."""
-    thr = [d["throughput"]["within_band"] for d in docs]
-    lat = [
-        p["within_band"] for d in docs for p in d["latency"] if p["load"] <= LATENCY_LOAD_MAX + 1e-9
-    ]
-    return {
-        "throughput_within_band": sum(thr) / len(thr) if thr else math.nan,
-        "latency_within_band": sum(lat) / len(lat) if lat else math.nan,
-    }
-
-
-def _doc(alloc: Alloc) -> dict[str, dict[str, float]]:
-    return {m: ModelAlloc(*row).doc() for m, row in alloc.items()}
-
-
-def _allocation(alloc: Alloc) -> dict[str, ModelAlloc]:
-    return {m: ModelAlloc(*row) for m, row in alloc.items()}
-
-
-def placed(case: Case, alloc: Alloc) -> tuple[Placed, ...]:
-    """The replicas of ``alloc`` where the simulator places them (``sim.cluster.place``)."""
-    return tuple(
-        Placed(spec.model, "sim", gpus, spec.share, spec.tp)
-        for spec, gpus in place(sim_allocation(case, alloc))
-    )
-
-
-@dataclass(frozen=True)
-class Learned:
-    """What the optimizer knows of one workflow after tracing and profiling."""
-
-    case: Case  # the workflow's case (quick or full run lengths)
-    pipe: Pipeline
-    book: ProfileBook
-    settle_s: float  # a few light-load request latencies: the pipeline's fill
-    points: tuple[ProfilePoint, ...]  # what ``book`` is made of
-    # the trace's statistics (``pipe`` is made of them) and figures (``alp_plan._trace``'s):
-    # what new profiling jobs need; None where only predictions are made (``picks_replay``)
-    stats: WorkflowStats | None = None
-    trace: dict[str, Any] = field(default_factory=dict)
-
-    def with_points(self, points: Sequence[ProfilePoint]) -> Learned:
-        """The same knowledge with ``points`` added to the book (``pick_reprofile``)."""
-        if not points:
-            return self
-        every = (*self.points, *points)
-        return replace(self, book=ProfileBook(every), points=every)
-
-    def predict(self, alloc: Alloc, rate: float | None) -> Prediction:
-        """The ALP's prediction for ``alloc`` where the simulator places it, each model read
-        between its alone and packed curves by its neighbours' load
-        (:mod:`optimizer.model.colocation`) at ``rate`` (``None``: at the workflow's own
-        capacity, for ``T_w``)."""
-        allocation = _allocation(alloc)
-        where = placed(self.case, alloc)
-        busy = (
-            colocation.capacity_weights(self.pipe, self.book, allocation, where)
-            if rate is None
-            else colocation.placed_weights(
-                {self.pipe.workflow: self.pipe}, self.book, where, {self.pipe.workflow: rate}
-            )
-        )
-        return predict(self.pipe, self.book, allocation, rate or 0.0, busy=busy)
-
-
-def _run_profiles(
-    pool: Executor, jobs: Sequence[ProfileJob], reused_from: Path | None, stage: str
-) -> list[list[ProfilePoint]]:
-    """Each job's profile points: an earlier run's where ``reused_from`` holds its key,
-    else profiled in ``pool`` (longest first, so the pool does not end on one long job)."""
-    reused = _reused_points(reused_from)
-    done = {j: reused[_job_key(job)] for j, job in enumerate(jobs) if _job_key(job) in reused}
-    order = sorted(
-        (j for j in range(len(jobs)) if j not in done), key=lambda j: -jobs[j].target_calls
-    )
-    _progress(f"{stage}; profiling {len(order)} keys ({len(done)} reused)")
-    done.update(zip(order, pool.map(run_profile, [jobs[j] for j in order]), strict=True))
-    return [list(done[j]) for j in range(len(jobs))]
-
-
-def _checkpoint(out: Path, quick: bool, docs: Sequence[dict[str, Any]]) -> None:
-    """The profile points so far, for a later run's ``--profiles-from``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / PROFILES_FILE).write_bytes(
-        orjson.dumps(
-            {"label": "simulated", "quick": quick, "profile_points": list(docs)},
-            option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
-        )
-    )
-
-
-def reprofile(
-    pool: Executor,
-    learned: Mapping[str, Learned],
-    judged: Sequence[Judged],
-    quick: bool,
-    reused_from: Path | None,
-) -> tuple[dict[str, Learned], list[ProfileJob], list[list[ProfilePoint]]]:
-    """Per workflow, the knowledge after the daemon's reprofiler ran for the judged
-    allocations' keys (:mod:`bench.accuracy.pick_reprofile`), and the jobs and points."""
-    jobs = [
-        job
-        for w, k in learned.items()
-        if k.stats is not None
-        for job in pick_reprofile.reprofile_jobs(
-            k.case,
-            k.stats,
-            k.trace,
-            k.book,
-            [j.case.allocations[j.index] for j in judged if j.workflow == w],
-            GPU,
-            quick,
-        )
-    ]
-    profiled = _run_profiles(pool, jobs, reused_from, "reprofiling the uncovered keys")
-    after = {
-        w: k.with_points(
-            [
-                p
-                for job, pts in zip(jobs, profiled, strict=True)
-                if job.case.workflow == w
-                for p in pts
-            ]
-        )
-        for w, k in learned.items()
-    }
-    return after, jobs, profiled
-
-
-def learn(
-    pool: Executor, cases: Sequence[Case], quick: bool, reused_from: Path | None, out: Path
-) -> tuple[dict[str, Learned], list[dict[str, Any]]]:
-    """Trace and profile every workflow over the fitted set's keys (reusing the points of
-    ``reused_from`` where it holds a key), write the profiling checkpoint to ``out``; the
-    knowledge per workflow and the profile points as documents."""
-    keyed = {c.workflow: c.allocations for c in _cases()}
-    run = quick_cases(cases) if quick else list(cases)
-    traced = list(pool.map(_trace, run))
-    jobs = [
-        job
-        for case, (stats, info) in zip(run, traced, strict=True)
-        for job in _profile_jobs(
-            replace(case, allocations=keyed[case.workflow]), stats, info, quick
-        )
-    ]
-    # a share that packs copies onto a GPU is measured alone too: the prediction reads each
-    # replica between the two ends by how busy its placed neighbours are
-    jobs += [replace(job, alone=True) for job in jobs if packed_copies(job.share) > 1]
-    profiled = _run_profiles(pool, jobs, reused_from, "traced")
-    docs = _profile_docs(jobs, profiled)
-    _checkpoint(out, quick, docs)
-    learned = {}
-    for case, (stats, info) in zip(run, traced, strict=True):
-        points = tuple(
-            p
-            for job, pts in zip(jobs, profiled, strict=True)
-            if job.case.workflow == case.workflow
-            for p in pts
-        )
-        learned[case.workflow] = Learned(
-            case,
-            Pipeline.from_stats(stats),
-            ProfileBook(points),
-            SETTLE_LATENCIES * info["latency_mean_s"],
-            points,
-            stats,
-            info,
-        )
-    return learned, docs
-
-
-@dataclass(frozen=True)
-class Judged:
-    """One allocation to judge: its set, where it came from, and the Case that holds it."""
-
-    workflow: str
-    set: str
-    index: int  # in ``case.allocations``
-    case: Case  # the workflow's case holding every judged allocation (alp_truth indexes it)
-    context: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -387,83 +162,6 @@ def _stage_check(job: EvalJob, k: Learned) -> dict[str, dict[str, float]]:
     return pick_sets.stage_check(job.case, k.pipe, alloc, pred, n, warmup, job.seed)
 
 
-def borrowed(
-    k: Learned, alloc: Alloc, doc: dict[str, Any]
-) -> tuple[dict[str, Any], float, list[float]]:
-    """``alloc`` (judged in ``doc``) predicted with the fitted set's keys only (``k``: before
-    the reprofiler ran), against the same simulated figures: its capacity and each latency
-    point's prediction at the point's rate, with their errors."""
-    cap = k.predict(alloc, None).throughput
-    thr_err = _err(cap, doc["throughput"]["simulated"])
-    out: dict[str, Any] = {
-        "curves": pick_sets.provenance(k.book, alloc),
-        "throughput": {"predicted": cap, "error": thr_err},
-        "latency": [],
-    }
-    lat_errs = []
-    for point in doc["latency"]:
-        pred = k.predict(alloc, point["rate"]).latency
-        err = _err(pred, point["simulated"])
-        if point["load"] <= LATENCY_LOAD_MAX + 1e-9:
-            lat_errs.append(err)
-        out["latency"].append({"load": point["load"], "predicted": pred, "error": err})
-    return out, thr_err, lat_errs
-
-
-def _point_docs(
-    k: Learned, j: Judged, jobs: Sequence[EvalJob], sims: Sequence[dict[str, Any]]
-) -> tuple[dict[str, Any], float, list[float]]:
-    alloc = j.case.allocations[j.index]
-    doc: dict[str, Any] = {
-        "set": j.set,
-        "allocation": _doc(alloc),
-        "curves": pick_sets.provenance(k.book, alloc),
-        **j.context,
-        "latency": [],
-    }
-    thr_err = math.nan
-    lat_errs: list[float] = []
-    for ev, sim in zip(jobs, sims, strict=True):
-        if ev.kind == "capacity":
-            thr_err = _err(ev.rate, sim["capacity"])
-            low = k.predict(alloc, None).capacity_low
-            doc["throughput"] = {
-                "predicted": ev.rate,
-                "simulated": sim["capacity"],
-                "error": thr_err,
-                "signed_error": (ev.rate - sim["capacity"]) / sim["capacity"],
-                # the share model's band: the truth between the slow end and the prediction
-                "predicted_low": low,
-                "within_band": low * (1 - BAND_TOL) <= sim["capacity"] <= ev.rate * (1 + BAND_TOL),
-                "simulated_kept_up_at": sim["kept_up_at"],
-                "simulated_overloaded_at": sim["overloaded_at"],
-                "simulated_backlog_throughput": sim["backlog_throughput"],
-            }
-            continue
-        pred = k.predict(alloc, ev.rate)
-        err = _err(pred.latency, sim["latency_mean"])
-        if ev.fraction <= LATENCY_LOAD_MAX + 1e-9:
-            lat_errs.append(err)
-        doc["latency"].append(
-            {
-                "load": ev.fraction,
-                "rate": ev.rate,
-                "predicted": pred.latency,
-                "simulated": sim["latency_mean"],
-                "simulated_se": sim["latency_se"],
-                "error": err,
-                "signed_error": (pred.latency - sim["latency_mean"]) / sim["latency_mean"],
-                "predicted_high": pred.latency_high,
-                "within_band": pred.latency * (1 - BAND_TOL)
-                <= sim["latency_mean"]
-                <= pred.latency_high * (1 + BAND_TOL),
-                "bottleneck": pred.bottleneck,
-                "requests": sim["requests"],
-            }
-        )
-    return doc, thr_err, lat_errs
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -497,24 +195,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             j for k in learned.values() for j in judged_allocations(k, scope) if j.set in args.sets
         ]
         fitted = learned
+        wanted: dict[str, list[Alloc]] = {}
+        for j in judged:
+            wanted.setdefault(j.workflow, []).append(j.case.allocations[j.index])
         learned, re_jobs, re_points = reprofile(
-            pool, fitted, judged, args.quick, args.profiles_from
+            pool, fitted, wanted, args.quick, args.profiles_from
         )
         docs += _profile_docs(re_jobs, re_points)
-        _checkpoint(args.out, args.quick, docs)
+        checkpoint(args.out, args.quick, docs)
         profile_s = time.perf_counter() - started
         jobs = {id(j): eval_jobs(learned[j.workflow], j, scope) for j in judged}
         flat = [ev for j in judged for ev in jobs[id(j)]]
         # capacity jobs first: each is a sequence of runs, the longest jobs
         order = sorted(range(len(flat)), key=lambda n: flat[n].kind != "capacity")
-        _progress(f"profiled in {profile_s:.0f} s; {len(judged)} allocations, {len(flat)} jobs")
+        progress(f"profiled in {profile_s:.0f} s; {len(judged)} allocations, {len(flat)} jobs")
         results: dict[int, dict[str, Any]] = {}
         for count, (n, sim) in enumerate(
             zip(order, pool.map(evaluate, [flat[n] for n in order], chunksize=1), strict=True), 1
         ):
             results[n] = sim
             ev = flat[n]
-            _progress(
+            progress(
                 f"{count}/{len(flat)} {ev.case.workflow} allocation {ev.alloc_index} {ev.kind} "
                 f"{ev.fraction:.1f} ({time.perf_counter() - started:.0f} s)"
             )
@@ -556,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for j, stage in zip(judged, stages, strict=True):
         js = jobs[id(j)]
-        doc, thr, lat = _point_docs(learned[j.workflow], j, js, sims[pos : pos + len(js)])
+        doc, thr, lat = point_docs(learned[j.workflow], j, js, sims[pos : pos + len(js)])
         pos += len(js)
         doc["stage_check"] = {
             "load": max(

@@ -25,8 +25,9 @@ from typing import Any
 import orjson
 
 from bench.accuracy.alp_accuracy import LATENCY_LOAD_MAX, _cases, _reused_points
-from bench.accuracy.alp_picks import Learned, summary
 from bench.accuracy.cases import Alloc
+from bench.accuracy.pick_knowledge import Learned
+from bench.accuracy.pick_report import summary
 from optimizer.model.alp import ModelAlloc, Overlap, Pipeline, Stage
 from optimizer.model.curves import ProfileBook
 from shared.profile_points import ProfilePoint
