@@ -102,14 +102,18 @@ class Scope:
         return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
-def judged_allocations(k: Learned, scope: Scope) -> list[Judged]:
-    """One workflow's allocations: the search's distinct picks, then the held-out ones."""
-    entries: list[tuple[str, Alloc, dict[str, Any]]] = [
-        ("search_picks", p.allocation, {"picked_at": list(p.picked_at)})
-        for p in pick_sets.search_picks(k.pipe, k.book, scope.sizes, scope.rate_fractions)
-    ]
-    held = pick_sets.HELD_OUT[k.case.workflow][: scope.held_out]
-    entries += [("held_out", a, {}) for a in held]
+def judged_allocations(k: Learned, scope: Scope, sets: Sequence[str] = SETS) -> list[Judged]:
+    """One workflow's allocations in ``sets``: the search's distinct picks (the search runs
+    only where they are judged), then the held-out ones."""
+    entries: list[tuple[str, Alloc, dict[str, Any]]] = []
+    if "search_picks" in sets:
+        entries += [
+            ("search_picks", p.allocation, {"picked_at": list(p.picked_at)})
+            for p in pick_sets.search_picks(k.pipe, k.book, scope.sizes, scope.rate_fractions)
+        ]
+    if "held_out" in sets:
+        held = pick_sets.HELD_OUT[k.case.workflow][: scope.held_out]
+        entries += [("held_out", a, {}) for a in held]
     case = replace(k.case, allocations=[a for _, a, _ in entries])
     return [Judged(case.workflow, s, i, case, ctx) for i, (s, _, ctx) in enumerate(entries)]
 
@@ -191,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [c for c in _cases() if not args.workflows or c.workflow in args.workflows]
     with ProcessPoolExecutor(max_workers=max(1, min(args.workers, MAX_WORKERS))) as pool:
         learned, docs = learn(pool, cases, args.quick, args.profiles_from, args.out)
-        judged = [
-            j for k in learned.values() for j in judged_allocations(k, scope) if j.set in args.sets
-        ]
+        judged = [j for k in learned.values() for j in judged_allocations(k, scope, args.sets)]
         fitted = learned
         wanted: dict[str, list[Alloc]] = {}
         for j in judged:

@@ -27,7 +27,7 @@ import orjson
 from bench.accuracy.alp_accuracy import LATENCY_LOAD_MAX, _cases, _reused_points
 from bench.accuracy.cases import Alloc
 from bench.accuracy.pick_knowledge import Learned
-from bench.accuracy.pick_report import summary
+from bench.accuracy.pick_report import relative_error, summary
 from optimizer.model.alp import ModelAlloc, Overlap, Pipeline, Stage
 from optimizer.model.curves import ProfileBook
 from shared.profile_points import ProfilePoint
@@ -77,7 +77,7 @@ def replay(run: Path) -> dict[str, Any]:
                 alloc: Alloc = {m: alloc_of(a) for m, a in doc["allocation"].items()}
                 sim = doc["throughput"]["simulated"]
                 cap = k.predict(alloc, None).throughput
-                thr_errors.append(abs(cap - sim) / sim)
+                thr_errors.append(relative_error(cap, sim))
                 row = {
                     "set": name,
                     "workflow": workflow,
