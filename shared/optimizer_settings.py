@@ -68,6 +68,13 @@ class ReprofileSettings:
         doc="also profile a share the proposal wants that is only scaled from another "
         "profiled share of the same (model, GPU, TP)",
     )
+    packed_shares: bool = setting(
+        True,
+        doc="profile a share the proposal packs two or more copies of onto one GPU, with as "
+        "many copies as fill the GPU side by side, where no packed point of it was measured: "
+        "alone points say nothing of what the copies cost each other (two packed half-GPU "
+        "verifiers serve 0.89 of a whole GPU where the alone curves say 1.0, simulated)",
+    )
     quick: bool = setting(True, doc="fewer, shorter sweep points (as `scepsy profile --quick`)")
     calls_per_point: int | None = setting(
         None, doc="calls replayed per sweep point (null: the sweep's default)"

@@ -11,7 +11,9 @@ shipped settings), builds the simulated profiling job for each (the fitted bench
 model, at that share, alone: the daemon's profiling replica has its GPUs to itself), and
 returns the keys' profile points. The bench judges each allocation on the book with them (the
 product path after the reprofiler ran) and reports the fitted-set-only prediction beside it
-(``borrowed``), on the same simulated truth.
+(``borrowed``), on the same simulated truth. Where the simulator packs two or more copies of
+a share onto one GPU, the rule's packed run follows (``reprofile.packed_shares``): the share
+profiled packed, as many copies as fill the GPU, once it is measured alone.
 
 Invariants: pure but for the profiling jobs the caller runs; the keys are the product rule's,
 never a list of the bench's own; a key the fitted set measured is never profiled again.
@@ -19,30 +21,43 @@ never a list of the bench's own; a key the fitted set measured is never profiled
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from bench.accuracy.alp_plan import _profile_jobs
 from bench.accuracy.cases import Alloc, Case
-from optimizer.control.reprofile import WantedKey, uncovered
+from optimizer.control.reprofile import WantedKey, packed_run, uncovered
 from optimizer.model.alp import ModelAlloc
 from optimizer.model.curves import ProfileBook
 from optimizer.stats.figures import WorkflowStats
 from shared.optimizer_settings import ReprofileSettings
+from shared.profile_points import ProfileKey
+from sim.cluster import Allocation, ReplicaSpec, place
 from sim.profiling import ProfileJob
 
 __all__ = ["reprofile_jobs", "wanted"]
 
 
 def wanted(allocations: Iterable[Alloc], gpu_type: str) -> list[WantedKey]:
-    """The distinct (model, GPU type, TP, share) keys ``allocations`` place replicas at."""
-    keys = {
-        WantedKey(model, gpu_type, tp, round(share, 6))
-        for alloc in allocations
-        for model, row in alloc.items()
-        for _, tp, share in ModelAlloc(*row).groups
-    }
+    """The distinct (model, GPU type, TP, share) keys ``allocations`` place replicas at, each
+    with the most copies of it the simulator's placement (``sim.cluster.place``, where the
+    bench predicts and simulates an allocation) puts on one GPU."""
+    copies: dict[WantedKey, int] = {}
+    for alloc in allocations:
+        specs = tuple(
+            ReplicaSpec(model, gpu_type, tp, share, count)
+            for model, row in alloc.items()
+            for count, tp, share in ModelAlloc(*row).groups
+        )
+        on_gpu = Counter(
+            (WantedKey(spec.model, gpu_type, spec.tp, round(spec.share, 6)), gpus)
+            for spec, gpus in place(Allocation(specs))
+        )
+        for (key, _), n in on_gpu.items():
+            copies[key] = max(n, copies.get(key, 1))
+    keys = {replace(k, copies=n) for k, n in copies.items()}
     return sorted(keys, key=lambda k: (k.model, k.tp, k.share))
 
 
@@ -57,10 +72,27 @@ def reprofile_jobs(
 ) -> list[ProfileJob]:
     """The profiling jobs the daemon's reprofiler would start for ``allocations`` of ``case``
     given ``book``: one per key the shipped ``uncovered`` rule names, each the fitted bench's
-    job for that model and TP at the key's share, measured alone."""
+    job for that model and TP at the key's share, measured alone; then, for a share the
+    placement packs copies of, the packed run the rule names once the share is measured alone
+    (the daemon starts it on a later pass), with as many copies as fill the GPU."""
     settings = ReprofileSettings()
-    keys = [k for k in wanted(allocations, gpu_type) if uncovered(book.profiles, k, settings)]
+    keys = wanted(allocations, gpu_type)
+    alone = [k for k in keys if uncovered(book.profiles, replace(k, copies=1), settings)]
+    after = [*book.profiles, *(ProfileKey(k.model, "", k.gpu_type, k.tp, k.share) for k in alone)]
+    packed = [
+        k
+        for k in keys
+        if packed_run(k, settings) > 1 and uncovered(after, k, settings, book.packed)
+    ]
+    jobs = [replace(job, alone=True) for job in _jobs(case, stats, trace, alone, quick)]
+    return jobs + [replace(job, alone=False) for job in _jobs(case, stats, trace, packed, quick)]
+
+
+def _jobs(
+    case: Case, stats: WorkflowStats, trace: dict[str, Any], keys: Sequence[WantedKey], quick: bool
+) -> list[ProfileJob]:
+    """The fitted bench's profiling job for each key's model, TP and share."""
     if not keys:
         return []
     one = replace(case, allocations=[{k.model: (1, k.tp, k.share)} for k in keys])
-    return [replace(job, alone=True) for job in _profile_jobs(one, stats, trace, quick)]
+    return _profile_jobs(one, stats, trace, quick)

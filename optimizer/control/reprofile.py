@@ -10,15 +10,19 @@ reads one pass's figures and returns what is worth profiling, most urgent first:
   point measures, so its curve is borrowed from another GPU type or TP; a fractional share of
   one whose points are all whole GPUs, so its share exponents are other models'
   (``reprofile.borrowed_shares``, on by default); with ``reprofile.scaled_shares`` also a
-  share that is only scaled from another share;
+  share that is only scaled from another share; and (``reprofile.packed_shares``, on by
+  default) a share the placement packs two or more copies of onto one GPU that was never
+  measured packed: that run starts as many copies as fill one GPU and replays them side by
+  side (``copies`` in the request);
 - ``drift``: a workflow whose observed mean latency departed from the prediction for what runs
   by more than ``drift_threshold`` (relative to the observed) in ``drift_windows`` consecutive
   passes, each with ``min_requests`` completed requests and all on the same side. A single bad
   window, a thin one or a prediction that flips side never fires; the model profiled is the
   workflow's served model whose last profiling run is oldest, at the key it runs at.
 
-Rate limits: nothing while a run is in flight; a model is not profiled twice within
-``min_interval_s`` (counted from a run's start, a failed run counts), so neither is a key.
+Rate limits: nothing while a run is in flight; a model is not profiled twice in one
+arrangement (alone, or packed copies) within ``min_interval_s`` (counted from a run's start, a
+failed run counts), so neither is a key: a share measured alone can be measured packed next.
 
 :func:`find_slot` is the GPU budget: a profiling replica gets whole GPUs of the request's type,
 ``tp`` of them in one NVLink domain (at most ``max_gpus``), that no replica the backend
@@ -33,8 +37,8 @@ order above, then by model and key); a request never names a model outside ``ser
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from optimizer.model.curves import ProfileBook
@@ -43,7 +47,7 @@ from optimizer.plan.observed import RunningReplica
 from optimizer.stats.figures import WorkflowStats
 from shared.cluster import Cluster
 from shared.optimizer_settings import ReprofileSettings
-from shared.profile_points import ProfileKey
+from shared.profile_points import ProfileKey, packed_copies
 
 __all__ = [
     "PROFILING_PREFIX",
@@ -74,17 +78,20 @@ def is_profiling(replica: RunningReplica) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class WantedKey:
-    """A (model, GPU type, TP, share) a replica is placed at."""
+    """A (model, GPU type, TP, share) a replica is placed at; ``copies``: the most replicas of
+    it the placement puts on one GPU (1: none beside another copy)."""
 
     model: str
     gpu_type: str
     tp: int
     share: float
+    copies: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class ReprofileRequest:
-    """One profiling run worth starting, and why (``detail`` says it in words)."""
+    """One profiling run worth starting, and why (``detail`` says it in words); ``copies``
+    replicas side by side on one GPU (1: alone; more: packed, as many as fill the GPU)."""
 
     model: str
     gpu_type: str
@@ -92,10 +99,11 @@ class ReprofileRequest:
     share: float
     reason: ReprofileReason
     detail: str
+    copies: int = 1
 
     @property
     def key(self) -> WantedKey:
-        return WantedKey(self.model, self.gpu_type, self.tp, self.share)
+        return WantedKey(self.model, self.gpu_type, self.tp, self.share, self.copies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,7 @@ class ReprofileRun:
     reason: ReprofileReason
     started: float
     finished: float | None = None
+    copies: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +157,20 @@ def wanted_keys(placement: Placement | None, gpu_types: Mapping[str, str]) -> tu
     """The distinct keys ``placement`` puts replicas at (sorted)."""
     if placement is None:
         return ()
-    keys = {
-        WantedKey(r.demand.model, gpu_types.get(r.node, ""), len(r.gpus), round(r.share, 6))
-        for r in placement.replicas
-    }
+    on_gpu: dict[tuple[WantedKey, str, int], int] = {}
+    for r in placement.replicas:
+        k = WantedKey(r.demand.model, gpu_types.get(r.node, ""), len(r.gpus), round(r.share, 6))
+        for g in r.gpus:
+            on_gpu[(k, r.node, g)] = on_gpu.get((k, r.node, g), 0) + 1
+    copies: dict[WantedKey, int] = {}
+    for (k, _, _), n in on_gpu.items():
+        copies[k] = max(n, copies.get(k, 1))
+    keys = {replace(k, copies=n) for k, n in copies.items()}
     return tuple(sorted(keys, key=_key_order))
 
 
-def _key_order(k: WantedKey) -> tuple[str, str, int, float]:
-    return (k.model, k.gpu_type, k.tp, k.share)
+def _key_order(k: WantedKey) -> tuple[str, str, int, float, int]:
+    return (k.model, k.gpu_type, k.tp, k.share, k.copies)
 
 
 def _no_profile(inp: TriggerInput) -> list[ReprofileRequest]:
@@ -180,10 +194,15 @@ def _no_profile(inp: TriggerInput) -> list[ReprofileRequest]:
 
 
 def uncovered(
-    measured: Iterable[ProfileKey], key: WantedKey, settings: ReprofileSettings
+    measured: Iterable[ProfileKey],
+    key: WantedKey,
+    settings: ReprofileSettings,
+    packed: Collection[ProfileKey] = frozenset(),
 ) -> str | None:
     """Why ``key`` is ``uncovered`` by the replayed keys ``measured`` (the module docstring's
-    rule, in words), ``None`` where it is covered."""
+    rule, in words; ``packed``: those of them measured packed), ``None`` where it is covered.
+    The alone rules come first: a packed run is asked for once the share's alone curve is
+    the book's own (:func:`packed_run`)."""
     same = [p for p in measured if (p.model, p.gpu_type, p.tp) == (key.model, key.gpu_type, key.tp)]
     if not same:
         return (
@@ -206,7 +225,31 @@ def uncovered(
             f"(tp={key.tp}), scaled from share(s) "
             f"{', '.join(f'{p.share:g}' for p in sorted(same, key=lambda p: p.share))}"
         )
+    if (
+        settings.packed_shares
+        and key.copies > 1
+        and key.share < 1.0 - 1e-6
+        and not any(
+            (p.model, p.gpu_type, p.tp) == (key.model, key.gpu_type, key.tp)
+            and abs(p.share - key.share) < 1e-6
+            for p in packed
+        )
+    ):
+        return (
+            f"the proposal packs {key.copies} copies of {key.model} at share {key.share:g} "
+            f"onto one {key.gpu_type} GPU (tp={key.tp}), never measured side by side: "
+            "what the copies cost each other is modelled, not measured"
+        )
     return None
+
+
+def packed_run(key: WantedKey, settings: ReprofileSettings) -> int:
+    """How many copies a run for ``key`` starts: as many as fill one GPU
+    (:func:`shared.profile_points.packed_copies`, the book's meaning of a packed point)
+    where the packed rule names it, else 1 (alone)."""
+    if settings.packed_shares and key.copies > 1 and key.share < 1.0 - 1e-6:
+        return packed_copies(key.share)
+    return 1
 
 
 def _uncovered(inp: TriggerInput) -> list[ReprofileRequest]:
@@ -214,9 +257,15 @@ def _uncovered(inp: TriggerInput) -> list[ReprofileRequest]:
     for k in inp.wanted:
         if k.model not in inp.servable or k.tp > inp.settings.max_gpus or not k.gpu_type:
             continue
-        detail = uncovered(inp.book.profiles, k, inp.settings)
-        if detail is not None:
-            out.append(ReprofileRequest(k.model, k.gpu_type, k.tp, k.share, "uncovered", detail))
+        detail = uncovered(inp.book.profiles, k, inp.settings, inp.book.packed)
+        if detail is None:
+            continue
+        # the alone rules name a key whose share curve is not the book's own: alone first
+        alone = uncovered(inp.book.profiles, replace(k, copies=1), inp.settings) is not None
+        copies = 1 if alone else packed_run(k, inp.settings)
+        out.append(
+            ReprofileRequest(k.model, k.gpu_type, k.tp, k.share, "uncovered", detail, copies)
+        )
     return out
 
 
@@ -251,13 +300,21 @@ def _gap(s: DriftSample | None, settings: ReprofileSettings) -> float | None:
     return gap if abs(gap) > settings.drift_threshold else None
 
 
-def _drift(inp: TriggerInput, last_start: Mapping[str, float]) -> list[ReprofileRequest]:
+def _drift(
+    inp: TriggerInput, last_start: Mapping[tuple[str, bool], float]
+) -> list[ReprofileRequest]:
     out = []
     for w, gap in drifting(inp.drift, inp.settings).items():
         models = set(inp.stats[w].models) if w in inp.stats else set()
         served = sorted(
             (r for r in inp.running if r.model in models and r.model in inp.servable),
-            key=lambda r: (last_start.get(r.model, -math.inf), r.model, r.tp, r.share, r.id),
+            key=lambda r: (
+                last_start.get((r.model, False), -math.inf),
+                r.model,
+                r.tp,
+                r.share,
+                r.id,
+            ),
         )
         for r in served:
             gpu_type = inp.gpu_types.get(r.node, "")
@@ -282,13 +339,15 @@ def triggers(inp: TriggerInput) -> list[ReprofileRequest]:
     cfg = inp.settings
     if not cfg.enabled or any(r.finished is None for r in inp.history):
         return []
-    last_start: dict[str, float] = {}
+    last_start: dict[tuple[str, bool], float] = {}
     for r in inp.history:
-        last_start[r.model] = max(r.started, last_start.get(r.model, -math.inf))
+        at = (r.model, r.copies > 1)
+        last_start[at] = max(r.started, last_start.get(at, -math.inf))
     seen: set[WantedKey] = set()
     out = []
     for req in _no_profile(inp) + _uncovered(inp) + _drift(inp, last_start):
-        if req.key in seen or inp.now - last_start.get(req.model, -math.inf) < cfg.min_interval_s:
+        since = inp.now - last_start.get((req.model, req.copies > 1), -math.inf)
+        if req.key in seen or since < cfg.min_interval_s:
             continue
         seen.add(req.key)
         out.append(req)

@@ -136,7 +136,11 @@ class Reprofiler:
             self._waiting = note
             return
         self._waiting = None
-        self.runs.append(ReprofileRun(req.model, req.gpu_type, req.tp, req.share, req.reason, now))
+        self.runs.append(
+            ReprofileRun(
+                req.model, req.gpu_type, req.tp, req.share, req.reason, now, copies=req.copies
+            )
+        )
         task = asyncio.create_task(
             auto.reprofile(
                 req,
@@ -155,10 +159,11 @@ class Reprofiler:
         self.metrics.reprofile_running.set(1)
         self.metrics.reprofiles.labels(req.reason, "started").inc()
         log.info(
-            "reprofile started: %s tp=%d share=%g on %s GPU %s (%s: %s)",
+            "reprofile started: %s tp=%d share=%g x%d on %s GPU %s (%s: %s)",
             req.model,
             req.tp,
             req.share,
+            req.copies,
             choice.slot.node,
             ",".join(map(str, choice.slot.gpus)),
             req.reason,

@@ -260,6 +260,9 @@ class ProfileBook:
                 (alone if p.colocation == "alone" else replay).setdefault(p.key, []).append(p)
         both = sorted(k for k in alone if k in replay)
         self.both = frozenset(both)  # keys measured packed and alone
+        # keys with a packed end of their own: measured with copies side by side, or of
+        # unrecorded colocation, which is read as packed (the daemon's reprofiler asks)
+        self.packed = frozenset(replay)
         for k, ps in alone.items():
             replay.setdefault(k, ps)
         self.live = {k: tuple(v) for k, v in sorted(live.items())}

@@ -1,7 +1,8 @@
 """A profiling run the daemon starts on its own: one replica, one replay sweep, points stored.
 
 Role: the effectful half of reprofiling (the decision is :mod:`optimizer.control.reprofile`'s).
-:func:`reprofile` starts one profiling replica through the rollout backend on the GPUs the budget
+:func:`reprofile` starts one profiling replica (or the request's ``copies`` of it, side by
+side on one GPU, replayed together and measured per copy) through the rollout backend on the GPUs the budget
 found (:func:`profiling_group`: a group whose id starts with
 :data:`~optimizer.control.reprofile.PROFILING_PREFIX`), waits for it, replays the store's traced
 calls of the model against it with the sweep ``scepsy profile`` runs
@@ -131,12 +132,16 @@ class ReprofileOutcome:
             + ("?" if self.saturation_after is None else f"{self.saturation_after:.4g}")
             + " calls/s"
         )
-        return f"{r.model} tp={r.tp} share={r.share:g} on {r.gpu_type} ({r.reason}): {change}"
+        packed = f" x{r.copies} packed" if r.copies > 1 else ""
+        return (
+            f"{r.model} tp={r.tp} share={r.share:g}{packed} on {r.gpu_type} ({r.reason}): {change}"
+        )
 
 
 def profiling_group(request: ReprofileRequest, slot: Slot, settings: Settings) -> GroupSpec:
-    """The one-replica group that profiles ``request`` on ``slot`` (its id marks it as a
-    profiling group and is a digest of what it runs, so a retried start starts nothing twice)."""
+    """The group that profiles ``request`` on ``slot``: one replica, or ``request.copies`` of
+    it side by side on the slot's GPUs (its id marks it as a profiling group and is a digest
+    of what it runs, so a retried start starts nothing twice)."""
     node = cluster_from_settings(settings.cluster).node(slot.node)
     memory = int(min(node.gpu(g).memory_bytes for g in slot.gpus) * request.share)
     revisions = settings.rollout.revisions()
@@ -148,9 +153,12 @@ def profiling_group(request: ReprofileRequest, slot: Slot, settings: Settings) -
         memory,
         revisions.get(request.model, ""),
     )
-    digest = hashlib.sha256(orjson.dumps([list(spec.key()), slot.node])).hexdigest()[:10]
+    copies = max(1, request.copies)
+    what: list[object] = [list(spec.key()), slot.node] + ([copies] if copies > 1 else [])
+    digest = hashlib.sha256(orjson.dumps(what)).hexdigest()[:10]
     gid = f"{PROFILING_PREFIX}{digest}"
-    return GroupSpec(gid, slot.node, slot.gpus, (TargetReplica(f"{gid}-0", spec),))
+    replicas = tuple(TargetReplica(f"{gid}-{i}", spec) for i in range(copies))
+    return GroupSpec(gid, slot.node, slot.gpus, replicas)
 
 
 def sweep_settings(cfg: ReprofileSettings) -> SweepSettings:
@@ -173,12 +181,20 @@ def _saturation(book: ProfileBook | None, r: ReprofileRequest) -> float | None:
         return None
 
 
-async def _url(backend: Backend, group_id: str) -> str:
+async def _urls(backend: Backend, group: GroupSpec) -> tuple[str, ...]:
+    """The base URLs of the group's replicas, every one of them ready (sorted by id)."""
     observed = await backend.observe()
-    for rep in observed.replicas:
-        if rep.group == group_id and rep.ready:
-            return rep.url.rstrip("/").removesuffix("/v1")
-    raise ProfileRunError(f"profiling group {group_id} is not observed ready")
+    ready = sorted(
+        (rep.id, rep.url.rstrip("/").removesuffix("/v1"))
+        for rep in observed.replicas
+        if rep.group == group.id and rep.ready
+    )
+    if len(ready) < len(group.replicas):
+        raise ProfileRunError(
+            f"profiling group {group.id}: {len(ready)} of {len(group.replicas)} replicas "
+            "observed ready"
+        )
+    return tuple(url for _, url in ready)
 
 
 async def _speedup(url: str) -> float:
@@ -220,7 +236,7 @@ async def reprofile(
     try:
         await backend.start(group)
         await backend.wait_ready(group)
-        url = await _url(backend, group.id)
+        url, *copies = await _urls(backend, group)
         target = Target(
             url,
             request.model,
@@ -229,6 +245,7 @@ async def reprofile(
             request.tp,
             request.share,
             await _speedup(url),
+            tuple(copies),
         )
         result = await profiler.sweep(target, workload, sweep or sweep_settings(cfg))
     finally:

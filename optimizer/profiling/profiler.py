@@ -46,7 +46,7 @@ import contextlib
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import aiohttp
@@ -138,6 +138,13 @@ class Replayer:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.salt = secrets.token_hex(4) if salt is None else salt
         self.replays = [0] * len(workload.calls)  # per call: the next replay's number
+        # packed copies: a request's calls all go to one copy (its group's), so each copy's
+        # prefix cache sees whole requests, as behind the proxy's affinity routing
+        urls = target.urls
+        self.url_of = [urls[0]] * len(workload.calls)
+        for g, members in enumerate(workload.groups):
+            for i in members:
+                self.url_of[i] = urls[g % len(urls)]
         self.in_flight = 0
         self.sent = 0  # calls sent so far
         self.sends: list[float] = []  # their send times (wall), kept when a call is cut short
@@ -160,7 +167,7 @@ class Replayer:
         self.sends.append(sent)
         try:
             async with self.session.post(
-                self.target.url + c.endpoint,
+                self.url_of[index] + c.endpoint,
                 data=body,
                 timeout=self.timeout,
                 headers={"Content-Type": "application/json"},
@@ -574,4 +581,23 @@ async def sweep(
             )
         results.sort(key=lambda r: r.nominal_rate)
         saturated = any(r.saturated is not None and not r.client_bound for r in results)
-        return SweepResult(tuple(results), estimate, best, saturated)
+        n = len(target.urls)
+        if n == 1:
+            return SweepResult(tuple(results), estimate, best, saturated)
+        return SweepResult(
+            tuple(per_copy(r, n) for r in results), estimate / n, best / n, saturated
+        )
+
+
+def per_copy(result: PointResult, copies: int) -> PointResult:
+    """A point measured on ``copies`` packed copies offered its rate together, per copy: each
+    copy offered and completing its part, the calls' latencies as they were, marked
+    ``"packed"`` (:mod:`shared.profile_points`: each copy offered the same rate)."""
+    p = result.point
+    point = replace(
+        p,
+        offered_rate=p.offered_rate / copies,
+        throughput=p.throughput / copies,
+        colocation="packed",
+    )
+    return replace(result, point=point, nominal_rate=result.nominal_rate / copies)

@@ -27,7 +27,10 @@ from shared.profile_points import ProfilePoint
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One running engine to profile. ``speedup``: model seconds per wall second."""
+    """One running engine to profile, or several copies of it packed on one GPU. ``speedup``:
+    model seconds per wall second. ``copies``: the other copies' URLs; the sweep offers the
+    copies its rate together (each request's calls to one copy, as prefix-affinity routing
+    does) and reports every figure per copy."""
 
     url: str  # http://host:port (the call's endpoint path is appended)
     served_model: str
@@ -36,6 +39,12 @@ class Target:
     tp: int
     share: float
     speedup: float = 1.0
+    copies: tuple[str, ...] = ()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every copy's URL, ``url`` first."""
+        return (self.url, *self.copies)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,10 @@
 Role: the only code that reads or writes table ``profile``.
 
 Invariants:
-- saving replay points replaces exactly the replay points of the keys measured (delete + insert
-  in one transaction): a re-run of the profiler replaces its own points and never a live one;
+- saving replay points replaces exactly the replay points of the keys measured in the same
+  arrangement (delete + insert in one transaction): a re-run of the profiler replaces its own
+  points and never a live one; packed points (copies side by side) replace only packed ones,
+  alone (or unrecorded) points only those;
 - saving live points never deletes a replay point; per key it keeps the newest ``LIVE_KEEP``
   live points no older than ``LIVE_MAX_AGE_S`` before the key's newest (by ``observed_at``),
   so a replica's recent behaviour corrects its curve and an old one ages out;
@@ -92,10 +94,15 @@ def save_points(store: str | Path, points: Sequence[ProfilePoint]) -> int:
         for statement in _MIGRATE:
             con.execute(statement)
         con.execute("BEGIN TRANSACTION")
-        replay_keys = sorted({p.key for p in points if p.source != "live"})
-        for key in replay_keys:
+        replay_keys = sorted(
+            {(p.key, p.colocation == "packed") for p in points if p.source != "live"}
+        )
+        for key, packed in replay_keys:
+            # a packed measurement and an alone (or unrecorded) one are two ends of one key
+            same = "colocation = 'packed'" if packed else "colocation <> 'packed'"
             con.execute(
-                f"DELETE FROM profile WHERE {_KEY_WHERE} AND source <> 'live'", _key_params(key)
+                f"DELETE FROM profile WHERE {_KEY_WHERE} AND source <> 'live' AND {same}",
+                _key_params(key),
             )
         con.executemany(
             f"INSERT INTO profile ({', '.join(_COLUMNS)}) VALUES "

@@ -9,6 +9,7 @@ from bench.accuracy.pick_reprofile import wanted
 from optimizer.control.reprofile import WantedKey, uncovered
 from optimizer.model.curves import ProfileBook
 from shared.optimizer_settings import ReprofileSettings
+from shared.profile_points import ProfileKey
 from tests.bench.accuracy.test_alp_picks import B1, G8, _points
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,3 +33,16 @@ def test_only_a_share_whose_exponents_are_borrowed_is_uncovered() -> None:
     # the 1B's 0.25 is scaled from its own 0.5 (its own exponents): covered by default
     assert named == [WantedKey(G8, "a6000", 1, 0.75)]
     assert uncovered(book.profiles, WantedKey(G8, "h100", 1, 1.0), shipped)  # another GPU
+
+
+def test_copies_the_simulator_packs_onto_one_gpu_are_counted_and_named_packed() -> None:
+    (half,) = wanted([{G8: (2, 1, 0.5)}], "a6000")
+    assert half == WantedKey(G8, "a6000", 1, 0.5, copies=2)
+    # three 0.5 copies: two share a GPU, the third is alone on the next
+    assert wanted([{G8: (3, 1, 0.5)}], "a6000")[0].copies == 2
+    book = ProfileBook(_points())  # the 1B's 0.5 measured packed, the 8B whole only
+    shipped = ReprofileSettings()
+    measured_alone = [*book.profiles, ProfileKey(G8, "", "a6000", 1, 0.5)]
+    assert uncovered(measured_alone, half, shipped, book.packed)
+    (one_b,) = wanted([{B1: (2, 1, 0.5)}], "a6000")
+    assert one_b.copies == 2 and not uncovered(book.profiles, one_b, shipped, book.packed)

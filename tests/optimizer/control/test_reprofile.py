@@ -24,6 +24,7 @@ from optimizer.placement import PlacedReplica, Placement, ReplicaDemand
 from optimizer.plan.observed import RunningReplica
 from shared.cluster import Cluster
 from shared.optimizer_settings import ReprofileSettings
+from shared.profile_points import ProfilePoint
 from tests.optimizer.control.test_step import RAG, _points, _stats
 
 BOOK = ProfileBook(_points())  # RAG's three models at tp 1, share 1 on a6000
@@ -149,6 +150,66 @@ def test_wanted_keys_read_the_placement() -> None:
     placement = _placement(("llama-3-8b", (0,), 0.5), ("llama-3-8b", (1,), 0.5))
     assert wanted_keys(placement, {"node0": "a6000"}) == (WantedKey("llama-3-8b", "a6000", 1, 0.5),)
     assert wanted_keys(None, {}) == ()
+    # two copies on GPU 0, one on GPU 1: the key is packed two to a GPU
+    packed = _placement(
+        ("llama-3-8b", (0,), 0.5), ("llama-3-8b", (0,), 0.5), ("llama-3-8b", (1,), 0.5)
+    )
+    assert wanted_keys(packed, {"node0": "a6000"}) == (
+        WantedKey("llama-3-8b", "a6000", 1, 0.5, copies=2),
+    )
+
+
+def _alone_half() -> ProfileBook:
+    """RAG's book with the 8B's half share measured alone (what the alone rule profiles)."""
+    half = [replace(p, share=0.5, colocation="alone") for p in _points() if p.model == "llama-3-8b"]
+    return ProfileBook([*_points(), *half])
+
+
+def test_packed_copies_never_measured_side_by_side_fire_after_the_alone_share() -> None:
+    packed = (WantedKey("llama-3-8b", "a6000", 1, 0.5, copies=2),)
+    # the share's alone curve is borrowed: the alone run comes first, one copy
+    (first,) = triggers(_input(wanted=packed))
+    assert (first.copies, first.share) == (1, 0.5)
+    assert "borrows other models' exponents" in first.detail
+    # measured alone: now the copies, as many as fill the GPU
+    (req,) = triggers(_input(wanted=packed, book=_alone_half()))
+    assert (req.copies, req.reason) == (2, "uncovered")
+    assert "never measured side by side" in req.detail
+    # a quarter share packed two to a GPU is profiled four to a GPU (the book's packed point)
+    quarter = [
+        replace(p, share=0.25, colocation="alone") for p in _points() if p.model == "llama-3-8b"
+    ]
+    book = ProfileBook([*_points(), *quarter])
+    wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.25, copies=2),)
+    assert [r.copies for r in triggers(_input(wanted=wanted, book=book))] == [4]
+    # one copy per GPU, or the rule off: nothing
+    alone_wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.5),)
+    assert triggers(_input(wanted=alone_wanted, book=_alone_half())) == []
+    off = replace(CFG, packed_shares=False)
+    assert triggers(_input(wanted=packed, book=_alone_half(), settings=off)) == []
+
+
+def test_a_share_measured_packed_is_covered_and_runs_are_limited_per_arrangement() -> None:
+    packed = (WantedKey("llama-3-8b", "a6000", 1, 0.5, copies=2),)
+    side = [
+        replace(p, share=0.5, colocation="packed") for p in _points() if p.model == "llama-3-8b"
+    ]
+    measured = ProfileBook([*_alone_points(), *side])
+    assert triggers(_input(wanted=packed, book=measured)) == []
+    assert measured.packed  # the book tells packed keys apart
+    # an alone run of the model an hour ago does not hold back its packed run, a packed one does
+    alone_run = ReprofileRun("llama-3-8b", "a6000", 1, 0.5, "uncovered", NOW - 10, NOW - 5)
+    got = triggers(_input(wanted=packed, book=_alone_half(), history=(alone_run,)))
+    assert [r.copies for r in got] == [2]
+    packed_run = replace(alone_run, copies=2)
+    assert triggers(_input(wanted=packed, book=_alone_half(), history=(packed_run,))) == []
+
+
+def _alone_points() -> list[ProfilePoint]:
+    return [
+        *_points(),
+        *(replace(p, share=0.5, colocation="alone") for p in _points() if p.model == "llama-3-8b"),
+    ]
 
 
 # --- drift -----------------------------------------------------------------------------------

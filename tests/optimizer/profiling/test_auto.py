@@ -13,7 +13,14 @@ from optimizer.profiling.window import QUICK, SweepSettings
 from optimizer.rollout.backend import RolloutError
 from shared.optimizer_settings import ReprofileSettings
 from tests.optimizer.daemon.test_daemon import FakeBackend
-from tests.optimizer.daemon.test_daemon_reprofile import MODEL, _settings, _trace
+from tests.optimizer.daemon.test_daemon_reprofile import (
+    MODEL,
+    TINY,
+    ProfilingBackend,
+    _settings,
+    _trace,
+    engine,  # noqa: F401  (the fixture)
+)
 
 REQ = ReprofileRequest(MODEL, "a6000", 1, 0.5, "uncovered", "")
 SLOT = Slot("n0", (1,), "a6000")
@@ -48,3 +55,24 @@ async def test_the_replica_is_stopped_when_the_run_fails(tmp_path: Path) -> None
         await auto.reprofile(REQ, SLOT, backend, _settings(tmp_path))
     assert len(backend.stopped) == 1 and backend.stopped[0].startswith("profiling-")
     assert not any(is_profiling(r) for r in backend.replicas.values())
+
+
+async def test_packed_copies_run_side_by_side_and_are_measured_per_copy(
+    tmp_path: Path,
+    engine: str,  # noqa: F811
+) -> None:
+    _trace(tmp_path)
+    packed = ReprofileRequest(MODEL, "a6000", 1, 0.5, "uncovered", "", copies=2)
+    group = auto.profiling_group(packed, SLOT, _settings(tmp_path))
+    assert (
+        len(group.replicas) == 2
+        and group.id != auto.profiling_group(REQ, SLOT, _settings(tmp_path)).id
+    )
+    assert {r.spec.share for r in group.replicas} == {0.5}
+    backend = ProfilingBackend(engine)
+    out = await auto.reprofile(packed, SLOT, backend, _settings(tmp_path), sweep=TINY)
+    started, _ = backend.at_start[0]
+    assert started == group and backend.stopped == [group.id]
+    assert out.points and {p.colocation for p in out.points} == {"packed"}
+    assert {p.share for p in out.points} == {0.5}
+    assert "x2 packed" in out.summary()

@@ -158,6 +158,41 @@ async def test_sweep_finds_the_fake_engines_capacity(
     assert Profile.from_points([r.point for r in result.points]).saturated
 
 
+@pytest.mark.slow
+async def test_packed_copies_are_measured_per_copy_with_each_request_on_one(
+    fake_engine: tuple[str, list[tuple[str, float, float]]],
+) -> None:
+    """Two copies offered the sweep's rate together: every figure per copy (each copy's
+    capacity is the fake's), the points marked packed, a request's calls all on one copy."""
+    url, log = fake_engine
+    other_log: list[tuple[str, float, float]] = []
+    slots = asyncio.Semaphore(SLOTS)
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        start = asyncio.get_running_loop().time()
+        async with slots:
+            await asyncio.sleep(SERVICE_S)
+        other_log.append((untagged(body["messages"][0]["content"]), start, 0.0))
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    wl = build_workload("fake-1b", _workload_rows(_rows(40)))
+    async with serving(app) as other:
+        target = Target(url, "fake-1b", "fake", "none", 1, 0.5, copies=(other,))
+        result = await sweep(target, wl, SMALL)
+    assert result.saturated
+    assert result.saturation == pytest.approx(SLOTS / SERVICE_S, rel=0.15)
+    assert {r.point.colocation for r in result.points} == {"packed"}
+    light = result.points[0].point
+    assert light.throughput == pytest.approx(light.offered_rate, rel=0.15)
+    # each request (g<k>) went to one copy only, and both copies served
+    first = {c.split("c")[0] for c, *_ in log}
+    second = {c.split("c")[0] for c, *_ in other_log}
+    assert first and second and not first & second
+
+
 def _store(tmp_path: Path) -> Path:
     writer = SegmentWriter(tmp_path, "p")
     writer.write([r.row() for r in _rows(5)])

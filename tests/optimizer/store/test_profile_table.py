@@ -55,3 +55,24 @@ def test_an_old_table_reads_as_replay_points_and_is_migrated_on_write(tmp_path: 
     finally:
         con.close()
     assert {"source", "observed_at", "colocation", "completion_tokens"} <= cols
+
+
+def test_packed_and_alone_replay_points_replace_only_their_own_arrangement(
+    tmp_path: Path,
+) -> None:
+    base = ProfilePoint("m", "e", "a6000", 1, 0.5, 3, 3, 0.4, 0.4, 0.5, 0.6, 0.1, 40)
+    alone = [replace(base, colocation="alone"), replace(base, offered_rate=6, colocation="alone")]
+    save_points(tmp_path, alone)
+    packed = [replace(base, lat_mean=0.9, colocation="packed")]
+    save_points(tmp_path, packed)  # the daemon profiles the copies side by side later
+    assert sorted(p.colocation for p in load_points(tmp_path)) == ["alone", "alone", "packed"]
+    again = [replace(base, lat_mean=1.1, colocation="packed")]
+    save_points(tmp_path, again)  # a new packed run replaces the packed points only
+    got = load_points(tmp_path)
+    assert [p.lat_mean for p in got if p.colocation == "packed"] == [1.1]
+    assert len([p for p in got if p.colocation == "alone"]) == 2
+    save_points(tmp_path, [replace(base, lat_mean=0.3, colocation="alone")])
+    assert sorted((p.colocation, p.lat_mean) for p in load_points(tmp_path)) == [
+        ("alone", 0.3),
+        ("packed", 1.1),
+    ]
