@@ -14,7 +14,8 @@ profiles are the fitted bench's own (``_trace``, ``_profile_jobs``) over the fit
 only: whole GPUs, 0.5 shares of the small models, TP 2 of the 8B ones; then, as the daemon's
 reprofiler would once a proposal placed them, the judged allocations' keys its shipped
 ``uncovered`` rule names (a fractional share of a model measured only whole, whose share
-exponents would be other models'), each measured alone (``bench.accuracy.pick_reprofile``).
+exponents would be other models'), each measured alone, then packed where the simulator packs
+two or more copies of it onto one GPU (``bench.accuracy.pick_reprofile``).
 Every other share is derived by the product's share model, and each allocation records per
 model whether its curve was measured or scaled; beside it, ``borrowed`` is the same
 allocation predicted with the fitted set's keys only, on the same truth (the summary's
@@ -247,10 +248,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": TARGETS,
         "profiled_keys": "the fitted set's (bench.accuracy.alp_accuracy), then the keys the "
         "daemon's reprofiler profiles for the judged allocations (bench.accuracy.pick_reprofile, "
-        "alone): other shares are scaled; <set>_borrowed: the same truth predicted with the "
-        "fitted set's keys only",
+        "alone, then packed where the simulator packs copies): other shares are scaled; "
+        "<set>_borrowed: the same truth predicted with the fitted set's keys only",
         "reprofiled_keys": sorted(
-            {(job.case.workflow, job.model, job.tp, job.share) for job in re_jobs}
+            {
+                (
+                    job.case.workflow,
+                    job.model,
+                    job.tp,
+                    job.share,
+                    "alone" if job.alone else "packed",
+                )
+                for job in re_jobs
+            }
         ),
         "sets": {s: {} for s in args.sets},
         "summary": {s: {} for s in args.sets} | {f"{s}_borrowed": {} for s in args.sets},

@@ -11,9 +11,9 @@ reads one pass's figures and returns what is worth profiling, most urgent first:
   one whose points are all whole GPUs, so its share exponents are other models'
   (``reprofile.borrowed_shares``, on by default); with ``reprofile.scaled_shares`` also a
   share that is only scaled from another share; and (``reprofile.packed_shares``, on by
-  default) a share the placement packs two or more copies of onto one GPU that was never
-  measured packed: that run starts as many copies as fill one GPU and replays them side by
-  side (``copies`` in the request);
+  default) a share measured alone that the placement packs two or more copies of onto one
+  GPU, never measured packed: that run starts as many copies as fill one GPU and replays them
+  side by side (``copies`` in the request);
 - ``drift``: a workflow whose observed mean latency departed from the prediction for what runs
   by more than ``drift_threshold`` (relative to the observed) in ``drift_windows`` consecutive
   passes, each with ``min_requests`` completed requests and all on the same side. A single bad
@@ -229,6 +229,8 @@ def uncovered(
         settings.packed_shares
         and key.copies > 1
         and key.share < 1.0 - 1e-6
+        # measured at this very share (alone): a packed-only key would be read packed alone too
+        and any(abs(p.share - key.share) < 1e-6 for p in same)
         and not any(
             (p.model, p.gpu_type, p.tp) == (key.model, key.gpu_type, key.tp)
             and abs(p.share - key.share) < 1e-6

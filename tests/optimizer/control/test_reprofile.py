@@ -182,6 +182,9 @@ def test_packed_copies_never_measured_side_by_side_fire_after_the_alone_share() 
     book = ProfileBook([*_points(), *quarter])
     wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.25, copies=2),)
     assert [r.copies for r in triggers(_input(wanted=wanted, book=book))] == [4]
+    # a share only scaled from another (not measured at all): not profiled packed alone
+    scaled = (WantedKey("llama-3-8b", "a6000", 1, 0.3, copies=3),)
+    assert triggers(_input(wanted=scaled, book=_alone_half())) == []
     # one copy per GPU, or the rule off: nothing
     alone_wanted = (WantedKey("llama-3-8b", "a6000", 1, 0.5),)
     assert triggers(_input(wanted=alone_wanted, book=_alone_half())) == []
