@@ -122,10 +122,16 @@ class Prompt(Sequence[int]):
             tail.reverse()
             prev = hashes[-1] if hashes else 0
             s = 0
+            append = hashes.append
             for j in range(len(hashes), full):
                 lo, hi = j * block_size, (j + 1) * block_size
                 while tail[s][1] + tail[s][2] <= lo:
                     s += 1
+                key, start, length = tail[s]
+                if start <= lo and hi <= start + length:  # the block lies in one segment
+                    prev = hash((prev, ((key, lo - start, block_size),)))
+                    append(prev)
+                    continue
                 pieces = []
                 t = s
                 while t < len(tail) and tail[t][1] < hi:
@@ -135,7 +141,7 @@ class Prompt(Sequence[int]):
                         pieces.append((key, a - start, b - a))
                     t += 1
                 prev = hash((prev, tuple(pieces)))
-                hashes.append(prev)
+                append(prev)
         cache[block_size] = hashes
         return hashes
 

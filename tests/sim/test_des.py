@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optimizer.stats.reader import summarise_store
 from shared.store import SegmentWriter, StoreReader
@@ -203,6 +205,36 @@ def test_prompt_block_hashes_match_for_equal_segment_chains() -> None:
     assert ha[:10] == hb[:10] and ha[10] != hb[10]
     assert Prompt(1, 140).extend(77, 30).extend(5, 50).block_hashes(16) == ha
     assert len(a) == 220 and len(ha) == 13 and list(a)[139:141] == [a[139], a[140]]
+
+
+def _reference_block_hashes(segments: list[tuple[int, int]], block: int) -> list[int]:
+    """Block hashes token by token: each block named by its runs of (key, offset, length)."""
+    tokens = [(key, i) for key, length in segments for i in range(length)]
+    out, prev = [], 0
+    for lo in range(0, len(tokens) - block + 1, block):
+        pieces: list[tuple[int, int, int]] = []
+        for key, i in tokens[lo : lo + block]:
+            if pieces and pieces[-1][0] == key and pieces[-1][1] + pieces[-1][2] == i:
+                pieces[-1] = (key, pieces[-1][1], pieces[-1][2] + 1)
+            else:
+                pieces.append((key, i, 1))
+        prev = hash((prev, tuple(pieces)))
+        out.append(prev)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 70)), min_size=1, max_size=6),
+    st.sampled_from([4, 16, 32]),
+)
+def test_prompt_block_hashes_name_each_block_by_its_pieces(
+    segments: list[tuple[int, int]], block: int
+) -> None:
+    prompt = Prompt(*segments[0])
+    for key, length in segments[1:]:
+        prompt = prompt.extend(key, length)
+    assert prompt.block_hashes(block) == _reference_block_hashes(segments, block)
 
 
 def test_trace_rows_go_through_the_store(tmp_path: Path) -> None:
