@@ -19,13 +19,16 @@ alone shares (:func:`optimizer.model.shares.pair_gamma`); where the share was me
 next to ``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that
 profile's contention ``T_alone / T_packed``. Co-located clients share the GPU like the
 simulator's (``sim.perf.contention``): while the sum of the busy ones' demands exceeds 1,
-each runs that many times slower than alone. A neighbour is counted in the replica's own
-units: what it draws of the resource the replica is bound by is what a copy of the replica's
-model would draw at the neighbour's share, ``q_j = q (s_j / s)^gamma`` (a memory-bound small
-model beside a compute-bound one costs it the SMs its share holds, not the bandwidth it
-streams; the simulator contends compute and bandwidth apart). A placed replica's expected
-contention is ``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its
-GPUs under tensor parallelism). The packed end stands for contention ``C_ref``: for a measured packed
+each runs that many times slower than alone. A busy neighbour draws its own demand ``q_j``:
+what its model's share draws of the GPU when it runs, calibrated on its own packed profile
+where one was measured (the daemon's reprofiler measures a share packed once a placement
+packs it), else ``s_j^gamma_j`` with its own alone exponent; a neighbour at another share
+than its model's ends moves by that exponent. A placed replica's expected contention is
+``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its GPUs under
+tensor parallelism). (Counting a neighbour instead as a copy of the replica's own model at
+the neighbour's share, ``q (s_j / s)^gamma``, let a big model whose alone shares are bound
+by their KV memory, ``gamma`` about 1, take a busy small model beside it for free: the
+fan-out 8B at 0.75 beside a 1B at 0.25 read 3.7 s per call against 6.6 s simulated.) The packed end stands for contention ``C_ref``: for a measured packed
 share its own (``q (1 + (k - 1) b)``, the copies as busy as itself), for a derived one the
 ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (at least 0) makes the
 blend's capacity, geometric in ``w``, the alone capacity over ``C``: a placement that
@@ -87,26 +90,26 @@ class Ends:
     demand: float
     contended: float = 1.0
     copies: int = 0
-    exponent: float = 1.0  # the model's alone ``gamma``: what a neighbour's share costs it
+    exponent: float = 1.0  # the model's alone ``gamma``: how its demand moves with its share
+    share: float = 1.0  # the share ``demand`` is of
 
-    def draw(self, own_share: float, neighbour_share: float) -> float:
-        """What a busy neighbour at ``neighbour_share`` draws of the resource this model is
-        bound by, in the units of its own ``demand`` at ``own_share``: the demand a copy of
-        this model would have at that share (module docstring)."""
-        return self.demand * math.pow(neighbour_share / own_share, self.exponent)
+    def at(self, share: float) -> float:
+        """The demand of this model's replica at ``share`` (its own ``demand`` moved by its
+        exponent; module docstring)."""
+        return self.demand * math.pow(share / self.share, self.exponent)
 
 
 def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
     """The :class:`Ends` of ``model`` at ``(tp, share)`` in ``book``."""
     if book.alone is None:
-        return Ends(share)
+        return Ends(share, share=share)
     alone, packed = book.end_curves(model, tp, share)
     contended = max(1.0, alone.saturation / packed.saturation)
     copies = book.measured_copies(model, tp, share)
     gamma = book.alone.betas.for_model(model).gamma
     if copies > 1:
-        return Ends(contended / copies, contended, copies, gamma)
-    return Ends(share**gamma, contended, 0, gamma)
+        return Ends(contended / copies, contended, copies, gamma, share)
+    return Ends(share**gamma, contended, 0, gamma, share)
 
 
 def weight(demand: float, load: float, reference: float) -> float:
@@ -132,21 +135,24 @@ def weights(
     """Per model, the packed curve's weight for its replicas (the mean over its fractional
     ones, where it has any) given each model's busy probability ``busy`` and :class:`Ends`
     (module docstring). A model missing from ``busy`` counts as idle; a replica whose model
-    is missing from ``model_ends`` draws its share and counts its neighbours by theirs."""
+    is missing from ``model_ends`` draws its share."""
     on_gpu: dict[tuple[str, int], list[int]] = {}
     for i, r in enumerate(placed):
         for g in r.gpus:
             on_gpu.setdefault((r.node, g), []).append(i)
 
+    def demand(r: Placed) -> float:
+        e = model_ends.get(r.model)
+        return r.share if e is None else e.at(r.share)
+
     per_model: dict[str, list[tuple[bool, float]]] = {}
     for i, r in enumerate(placed):
-        e = model_ends.get(r.model) or Ends(r.share)
-        # the neighbours in this replica's units: a memory-bound neighbour costs a
-        # compute-bound replica what its SMs cost it, not the bandwidth it draws
+        e = model_ends.get(r.model) or Ends(r.share, share=r.share)
+        # each busy neighbour draws its own demand (module docstring)
         load = max(
             (
                 sum(
-                    e.draw(r.share, placed[j].share) * busy.get(placed[j].model, 0.0)
+                    demand(placed[j]) * busy.get(placed[j].model, 0.0)
                     for j in on_gpu[(r.node, g)]
                     if j != i
                 )

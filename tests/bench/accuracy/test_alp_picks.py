@@ -136,7 +136,7 @@ def test_smoke_run_reports_the_sets_apart(tmp_path: Path) -> None:
     assert held["curves"][B1]["curve"] == "scaled"  # 0.25 of a model profiled at 0.5 and 1.0
     # the 8B's 0.75 borrowed the 1B's exponents: the daemon's reprofiler profiles it (reused
     # here), and the fitted-set-only prediction is reported beside, on the same truth
-    assert report["reprofiled_keys"] == [["fanout", G8, 1, 0.75]]
+    assert report["reprofiled_keys"] == [["fanout", G8, 1, 0.75, "alone"]]
     assert held["curves"][G8]["curve"] == "measured"
     assert held["borrowed"]["curves"][G8]["curve"] == "scaled"
     assert held["borrowed"]["throughput"]["predicted"] != held["throughput"]["predicted"]

@@ -76,52 +76,60 @@ def test_busy_probability() -> None:
 
 def test_weights_read_the_packed_profile_where_the_placement_reproduces_it() -> None:
     # a half share measured packed next to one copy: two busy copies draw 1.6 of the GPU
-    half = Ends(demand=0.8, contended=1.6, copies=2)
+    half = Ends(demand=0.8, contended=1.6, copies=2, share=0.5)
     twins = [Placed("gen", "n", (0,), 0.5), Placed("gen", "n", (0,), 0.5)]
     for b in (0.2, 0.7, 1.0):
         assert weights(twins, {"gen": b}, {"gen": half}) == {"gen": pytest.approx(1.0)}
     # beside an idle neighbour, or on a GPU of its own: the alone end
     mixed = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.25)]
-    ends = {"gen": half, "emb": Ends(demand=0.9)}  # emb's own demand is not what gen feels
+    ends = {"gen": half, "emb": Ends(demand=0.4, share=0.25)}
     assert weights(mixed, {"gen": 0.8, "emb": 0.0}, ends)["gen"] == 0.0
     apart = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (1,), 0.25)]
     assert weights(apart, {"gen": 0.8, "emb": 1.0}, ends)["gen"] == 0.0
-    # a busy quarter share draws what a copy of gen would at 0.25 (0.8 x 0.5): capacity
-    # alone / (0.8 + 0.4), between the ends
+    # a busy quarter share draws its own demand (0.4): capacity alone / (0.8 + 0.4),
+    # between the ends
     w = weights(mixed, {"gen": 1.0, "emb": 1.0}, ends)["gen"]
     assert 1.6**w == pytest.approx(1.2)
     # more contention than the profile saw (its copy busy 30% of the time: 0.8 x 1.3) is
-    # the packed end slowed by the excess: 1 + ln(1.6 / 1.04)
+    # the packed end slowed by the excess: 1 + ln(1.6 / 1.04); emb at 0.5 draws 0.4 x 2
     even = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
     got = weights(even, {"gen": 0.3, "emb": 1.0}, ends)["gen"]
     assert got == pytest.approx(1.0 + math.log(1.6 / 1.04))
     # a derived end stands for its own contention (here a quarter share drawing 0.25^0.5)
-    derived = {"q": Ends(demand=0.5, contended=2.0, exponent=0.5)}
+    quarter = Ends(demand=0.5, contended=2.0, exponent=0.5, share=0.25)
+    derived = {"q": quarter, "x": quarter, "y": quarter}
     quarters = [Placed("q", "n", (0,), 0.25), Placed("x", "n", (0,), 0.25)]
     assert weights(quarters, {"q": 1.0, "x": 1.0}, derived)["q"] == pytest.approx(0.0)
     quarters.append(Placed("y", "n", (0,), 0.25))
     got = weights(quarters, {"q": 1.0, "x": 1.0, "y": 1.0}, derived)["q"]
     assert 2.0**got == pytest.approx(1.5)
+    # a neighbour whose model has no ends draws its share
+    assert weights(quarters[:2], {"q": 1.0, "x": 1.0}, {"q": quarter})["q"] == 0.0
     # tensor parallel: the busiest of its GPUs
     tp = [Placed("big", "n", (0, 1), 0.5, tp=2), Placed("emb", "n", (1,), 0.5)]
-    big = {"big": Ends(demand=0.7, contended=1.4), "emb": Ends(demand=0.7)}
+    big = {"big": Ends(demand=0.7, contended=1.4, share=0.5), "emb": Ends(demand=0.7, share=0.5)}
     assert weights(tp, {"big": 0.5, "emb": 1.0}, big)["big"] == 1.0
 
 
-def test_a_neighbour_costs_what_the_replica_is_bound_by() -> None:
-    # the same busy quarter share beside a three-quarter share: a compute-bound model
-    # (exponent 1: time goes as 1 / share) has the GPU's SMs to itself, a memory-bound one
-    # (exponent 0.3: a share keeps most of the bandwidth) contends with it
+def test_a_busy_neighbour_draws_its_own_demand() -> None:
     beside = [Placed("v", "n", (0,), 0.75), Placed("small", "n", (0,), 0.25)]
     busy = {"v": 1.0, "small": 1.0}
-    compute = {"v": Ends(demand=0.75, contended=1.5, exponent=1.0)}
-    memory = {"v": Ends(demand=0.75**0.3, contended=2.0, exponent=0.3)}
-    assert weights(beside, busy, compute)["v"] == pytest.approx(0.0)
+    memory = {"v": Ends(demand=0.75**0.3, contended=2.0, exponent=0.3, share=0.75)}
+    bandwidth = Ends(demand=0.25**0.3, exponent=0.3, share=0.25)  # a memory-bound small model
     c = 0.75**0.3 + 0.25**0.3
-    assert 2.0 ** weights(beside, busy, memory)["v"] == pytest.approx(c)
-    # whatever the neighbour itself is bound by
-    other = {"small": Ends(demand=0.25**0.3, exponent=0.3)}
-    assert weights(beside, busy, compute | other)["v"] == pytest.approx(0.0)
+    assert 2.0 ** weights(beside, busy, memory | {"small": bandwidth})["v"] == pytest.approx(c)
+    sms = Ends(demand=0.25, exponent=1.0, share=0.25)  # a compute-bound one draws less
+    c = 0.75**0.3 + 0.25
+    assert 2.0 ** weights(beside, busy, memory | {"small": sms})["v"] == pytest.approx(c)
+    # a big model whose alone shares are bound by their KV memory (exponent 1, so demand
+    # 0.75) does not take a busy memory-bound neighbour for free: past its packed end
+    kv = {"v": Ends(demand=0.75, contended=1.3, exponent=1.0, share=0.75), "small": bandwidth}
+    got = weights(beside, busy, kv)["v"]
+    assert got == pytest.approx(1.0 + math.log((0.75 + 0.25**0.3) / 1.3))
+    # a neighbour at another share than its ends' moves by its own exponent
+    eighth = [Placed("v", "n", (0,), 0.75), Placed("small", "n", (0,), 0.125)]
+    got = weights(eighth, busy, memory | {"small": bandwidth})["v"]
+    assert 2.0**got == pytest.approx(0.75**0.3 + 0.125**0.3)
 
 
 def test_ends_come_from_the_book() -> None:
@@ -135,7 +143,8 @@ def test_ends_come_from_the_book() -> None:
     assert (derived.copies, derived.demand) == (0, pytest.approx(0.5**gamma))
     assert derived.exponent == measured.exponent == gamma
     assert derived.contended == pytest.approx(0.5 ** (gamma - 1.0), rel=1e-3)
-    assert ends(ProfileBook(queue("gen", 0.5)), "gen", 1, 0.5) == Ends(0.5)
+    assert (measured.share, derived.share) == (0.5, 0.5)
+    assert ends(ProfileBook(queue("gen", 0.5)), "gen", 1, 0.5) == Ends(0.5, share=0.5)
 
 
 def test_the_book_blends_only_where_a_key_was_measured_both_ways() -> None:
@@ -171,8 +180,8 @@ def test_contention_past_the_packed_end_slows_the_packed_curve_in_time() -> None
 
 
 def test_a_mixed_allocation_weighs_its_rest_replica_not_its_whole_gpus() -> None:
-    half = Ends(demand=0.8, contended=1.6, copies=2)
-    light = Ends(demand=0.4)
+    half = Ends(demand=0.8, contended=1.6, copies=2, share=0.5)
+    light = Ends(demand=0.4, share=0.5)
     beside = [Placed("gen", "n", (0,), 0.5), Placed("emb", "n", (0,), 0.5)]
     mixed = [*(Placed("gen", "n", (g,), 1.0) for g in (1, 2, 3)), *beside]
     ends = {"gen": half, "emb": light}
