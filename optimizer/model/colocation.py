@@ -14,10 +14,14 @@ The model. A replica is busy (has work, so contends for SMs and bandwidth) with 
 ``b = 1 - exp(-λ L / p)``: ``λ L`` calls in flight (Little's law), in groups of the ``p`` a
 request runs at once, the groups Poisson-distributed. While it has work a share draws
 ``q`` of a whole GPU's service (its *demand*): alone a share keeps more than its part of the
-GPU (the memory bandwidth above all), ``q = s^gamma`` with the book's ``gamma`` for the model's
-alone shares (:func:`optimizer.model.shares.pair_gamma`); where the share was measured packed
-next to ``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that
-profile's contention ``T_alone / T_packed``. Co-located clients share the GPU like the
+GPU (the memory bandwidth above all), and ``q`` is what it serves alone of what the whole GPU
+serves alone, ``T_alone(s) / T_alone(1)``: measured where the share was measured alone, else
+``s^gamma`` with the book's ``gamma`` for the model's alone shares (the share model's,
+:func:`optimizer.model.shares.pair_gamma`); where the share was measured packed next to
+``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that profile's
+contention ``T_alone / T_packed``. (The fitted ``s^gamma`` in place of a measured ratio read the
+fan-out 8B's 0.75 share, which serves 0.85 of its whole GPU alone, as drawing 0.75: its
+alone shares are bounded by their KV memory, so ``gamma`` fits 1 across its pairs.) Co-located clients share the GPU like the
 simulator's (``sim.perf.contention``): while the sum of the busy ones' demands exceeds 1,
 each runs that many times slower than alone. A busy neighbour draws its own demand ``q_j``:
 what its model's share draws of the GPU when it runs, calibrated on its own packed profile
@@ -109,7 +113,10 @@ def ends(book: ProfileBook, model: str, tp: int, share: float) -> Ends:
     gamma = book.alone.betas.for_model(model).gamma
     if copies > 1:
         return Ends(contended / copies, contended, copies, gamma, share)
-    return Ends(share**gamma, contended, 0, gamma, share)
+    # what it serves alone of what the whole GPU serves alone (``s^gamma`` where derived)
+    whole, _ = book.end_curves(model, tp, 1.0)
+    served = alone.saturation / whole.saturation if whole.saturation > 0 else share**gamma
+    return Ends(min(1.0, served), contended, 0, gamma, share)
 
 
 def weight(demand: float, load: float, reference: float) -> float:

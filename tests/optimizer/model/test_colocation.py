@@ -179,6 +179,27 @@ def test_contention_past_the_packed_end_slows_the_packed_curve_in_time() -> None
         )
 
 
+def test_a_share_measured_alone_demands_what_it_serves_of_the_whole_gpu() -> None:
+    # three quarters measured alone serving 0.85 of the whole GPU, a half serving 0.49: the
+    # pairs fit a capacity exponent of 1 (clipped), yet the 0.75 share draws 0.85, not 0.75
+    points = (
+        tagged(
+            queue("big", 1.0, saturation=20.0)
+            + queue("big", 0.75, saturation=17.0)
+            + queue("big", 0.5, saturation=9.8),
+            "alone",
+        )
+        + tagged(queue("gen", 0.5, saturation=7.0), "packed")
+        + tagged(queue("gen", 0.5, saturation=10.0), "alone")
+    )
+    book = ProfileBook(points)
+    assert book.alone is not None and book.alone.betas.for_model("big").gamma == 1.0
+    assert ends(book, "big", 1, 0.75).demand == pytest.approx(0.85, rel=1e-3)
+    assert ends(book, "big", 1, 0.5).demand == pytest.approx(0.49, rel=1e-3)
+    # a share not measured: moved from the nearest measured one by the share model's exponent
+    assert ends(book, "big", 1, 0.25).demand == pytest.approx(0.49 * 0.5, rel=1e-3)
+
+
 def test_a_mixed_allocation_weighs_its_rest_replica_not_its_whole_gpus() -> None:
     half = Ends(demand=0.8, contended=1.6, copies=2, share=0.5)
     light = Ends(demand=0.4, share=0.5)
