@@ -51,7 +51,6 @@ from typing import Protocol
 
 import aiohttp
 import numpy as np
-import orjson
 
 from optimizer.model.curves import FOLLOW_TOLERANCE
 from optimizer.profiling.replay import Workload, schedule, tagged_body
@@ -71,6 +70,7 @@ from optimizer.profiling.window import (
     send_span,
     summarise_point,
     tapered_rate,
+    usage_tokens,
 )
 from shared.engine_load import first_samples
 from shared.profile_points import ProfilePoint
@@ -227,36 +227,6 @@ class Replayer:
 
 
 _USAGE_TAIL = 4096  # bytes of a stream's end kept: its usage event and [DONE]
-
-
-def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None, int | None]:
-    """(prompt tokens, cached prompt tokens, completion tokens) from a response body, or a
-    stream's last bytes (its last event that carries usage); None where the engine did not
-    report them."""
-    doc: object = None
-    try:
-        if not stream:
-            doc = orjson.loads(data)
-        else:
-            at = data.rfind(b'"usage"')
-            if at < 0:
-                return None, None, None
-            start = data.rfind(b"data:", 0, at)
-            stop = data.find(b"\n", at)
-            doc = orjson.loads(data[start + 5 : stop if stop >= 0 else len(data)])
-    except orjson.JSONDecodeError:
-        return None, None, None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if not isinstance(usage, dict):
-        return None, None, None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (
-        prompt if isinstance(prompt, int) else None,
-        cached if isinstance(cached, int) else None,
-        completion if isinstance(completion, int) else None,
-    )
 
 
 async def probe(rep: Replayer, settings: SweepSettings) -> float:

@@ -4,8 +4,8 @@ Role: the pure core of :mod:`optimizer.profiling.profiler` (which does the HTTP)
 configured with (:class:`SweepSettings`, ``QUICK``), how one point's calls become a
 :class:`ProfilePoint` (edge-tapered rates, latencies of the calls sent in the window), when
 that point's window may start (the groups' send spans, the queue's fill time), how sure its
-follow test is (the in-flight count's spread), whether it shows saturation, and where the
-bracket search goes next.
+follow test is (the in-flight count's spread), whether it shows saturation, where the
+bracket search goes next, and what tokens a response reports (:func:`usage_tokens`).
 
 Invariants: pure functions of their arguments (times are wall seconds on one clock; points
 are in model time, wall x ``speedup``); a point "keeps up" here exactly when
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from optimizer.model.curves import FOLLOW_TOLERANCE
 from shared.profile_points import ProfilePoint
@@ -311,3 +312,33 @@ def clock_lag(before: dict[str, float], after: dict[str, float], wall_s: float) 
     if LOST not in before or LOST not in after or wall_s <= 0:
         return None
     return (after[LOST] - before[LOST]) / wall_s
+
+
+def usage_tokens(data: bytes, stream: bool) -> tuple[int | None, int | None, int | None]:
+    """(prompt tokens, cached prompt tokens, completion tokens) from a response body, or a
+    stream's last bytes (its last event that carries usage); None where the engine did not
+    report them."""
+    doc: object = None
+    try:
+        if not stream:
+            doc = orjson.loads(data)
+        else:
+            at = data.rfind(b'"usage"')
+            if at < 0:
+                return None, None, None
+            start = data.rfind(b"data:", 0, at)
+            stop = data.find(b"\n", at)
+            doc = orjson.loads(data[start + 5 : stop if stop >= 0 else len(data)])
+    except orjson.JSONDecodeError:
+        return None, None, None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return None, None, None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (
+        prompt if isinstance(prompt, int) else None,
+        cached if isinstance(cached, int) else None,
+        completion if isinstance(completion, int) else None,
+    )

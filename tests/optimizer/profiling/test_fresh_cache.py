@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from optimizer.cli.profile import export_document, trusted_points
-from optimizer.profiling.profiler import PointResult, Replayer, usage_tokens
+from optimizer.profiling.profiler import PointResult, Replayer
 from optimizer.profiling.replay import ReplayCall, build_workload, load_workload, tagged_body
 from optimizer.profiling.window import (
     HIT_RATE_TOLERANCE,
@@ -24,6 +24,7 @@ from optimizer.profiling.window import (
     hit_rate,
     hit_rate_departure,
     summarise_point,
+    usage_tokens,
 )
 from shared.profile_points import ProfilePoint, import_json
 from shared.records import CallRecord
