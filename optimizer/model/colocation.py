@@ -12,37 +12,38 @@ workflow rates, :func:`capacity_weights` at a workflow's own capacity.
 
 The model. A replica is busy (has work, so contends for SMs and bandwidth) with probability
 ``b = 1 - exp(-λ L / p)``: ``λ L`` calls in flight (Little's law), in groups of the ``p`` a
-request runs at once, the groups Poisson-distributed. While it has work a share draws
-``q`` of a whole GPU's service (its *demand*): alone a share keeps more than its part of the
-GPU (the memory bandwidth above all), and ``q`` is what it serves alone of what the whole GPU
-serves alone, ``T_alone(s) / T_alone(1)``: measured where the share was measured alone, else
+request runs at once, the groups Poisson-distributed. While it has work a share draws ``q`` of a
+whole GPU's service (its *demand*): alone a share keeps more than its part of the GPU (the
+memory bandwidth above all), and ``q`` is what it serves alone of what the whole GPU serves
+alone, ``T_alone(s) / T_alone(1)``: measured where the share was measured alone, else
 ``s^gamma`` with the book's ``gamma`` for the model's alone shares (the share model's,
 :func:`optimizer.model.shares.pair_gamma`); where the share was measured packed next to
 ``k - 1`` copies, ``q`` is calibrated on it: ``k`` busy copies reproduce that profile's
 contention ``T_alone / T_packed``. (The fitted ``s^gamma`` in place of a measured ratio read the
-fan-out 8B's 0.75 share, which serves 0.85 of its whole GPU alone, as drawing 0.75: its
-alone shares are bounded by their KV memory, so ``gamma`` fits 1 across its pairs.) Co-located clients share the GPU like the
-simulator's (``sim.perf.contention``): while the sum of the busy ones' demands exceeds 1,
-each runs that many times slower than alone. A busy neighbour draws its own demand ``q_j``:
-what its model's share draws of the GPU when it runs, calibrated on its own packed profile
-where one was measured (the daemon's reprofiler measures a share packed once a placement
-packs it), else ``s_j^gamma_j`` with its own alone exponent; a neighbour at another share
-than its model's ends moves by that exponent. A placed replica's expected contention is
+fan-out 8B's 0.75 share, which serves 0.85 of its whole GPU alone, as drawing 0.75: its alone
+shares are bounded by their KV memory, so ``gamma`` fits 1 across its pairs.) Co-located clients
+share the GPU like the simulator's (``sim.perf.contention``): while the sum of the busy ones'
+demands exceeds 1, each runs that many times slower than alone. A busy neighbour draws its own
+demand ``q_j``: what its model's share draws of the GPU when it runs, calibrated on its own
+packed profile where one was measured (the daemon's reprofiler measures a share packed once a
+placement packs it), else ``s_j^gamma_j`` with its own alone exponent; a neighbour at another
+share than its model's ends moves by that exponent. A placed replica's expected contention is
 ``C = q + Σ_j b_j q_j`` over the other replicas on its GPUs (the busiest of its GPUs under
-tensor parallelism). (Counting a neighbour instead as a copy of the replica's own model at
-the neighbour's share, ``q (s_j / s)^gamma``, let a big model whose alone shares are bound
-by their KV memory, ``gamma`` about 1, take a busy small model beside it for free: the
-fan-out 8B at 0.75 beside a 1B at 0.25 read 3.7 s per call against 6.6 s simulated.) The packed end stands for contention ``C_ref``: for a measured packed
-share its own (``q (1 + (k - 1) b)``, the copies as busy as itself), for a derived one the
-ratio of the two ends' capacities. The weight ``w = ln C / ln C_ref`` (at least 0) makes the
-blend's capacity, geometric in ``w``, the alone capacity over ``C``: a placement that
-reproduces the packed profile reads exactly it (1), idle neighbours the alone curve (0). More
-contention than the packed end's (``C > max(C_ref, 1)``: a neighbour of another model that
-draws more of the GPU than the copies the share was measured next to) reads as the packed
-curve run ``C / max(C_ref, 1)`` times slower, as the simulator's co-located clients do while
-their summed demand exceeds the GPU; its weight is ``1 + ln(C / max(C_ref, 1))``. The two curves
-are blended at equal utilisation (:func:`optimizer.model.shares.blend`), so the blend is
-non-decreasing in ``λ`` and ends exactly at both measured curves.
+tensor parallelism). (Counting a neighbour instead as a copy of the replica's own model at the
+neighbour's share, ``q (s_j / s)^gamma``, let a big model whose alone shares are bound by their
+KV memory, ``gamma`` about 1, take a busy small model beside it for free: the fan-out 8B at 0.75
+beside a 1B at 0.25 read 3.7 s per call against 6.6 s simulated.) The packed end stands for
+contention ``C_ref``: for a measured packed share its own (``q (1 + (k - 1) b)``, the copies as
+busy as itself), for a derived one the ratio of the two ends' capacities. The weight
+``w = ln C / ln C_ref`` (at least 0) makes the blend's capacity, geometric in ``w``, the alone
+capacity over ``C``: a placement that reproduces the packed profile reads exactly it (1), idle
+neighbours the alone curve (0). More contention than the packed end's (``C > max(C_ref, 1)``: a
+neighbour of another model that draws more of the GPU than the copies the share was measured
+next to) reads as the packed curve run ``C / max(C_ref, 1)`` times slower, as the simulator's
+co-located clients do while their summed demand exceeds the GPU; its weight is
+``1 + ln(C / max(C_ref, 1))``. The two curves are blended at equal utilisation
+(:func:`optimizer.model.shares.blend`), so the blend is non-decreasing in ``λ`` and ends exactly
+at both measured curves.
 
 Invariants: pure functions of frozen data; a weight is at least 0 (above 1 only past the
 packed end's contention); a placement that reproduces a packed profile gets weight 1, a

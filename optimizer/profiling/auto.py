@@ -1,9 +1,9 @@
-"""A profiling run the daemon starts on its own: one replica, one replay sweep, points stored.
+"""A profiling run the daemon starts on its own: a replica or packed copies, a sweep, points saved.
 
 Role: the effectful half of reprofiling (the decision is :mod:`optimizer.control.reprofile`'s).
-:func:`reprofile` starts one profiling replica (or the request's ``copies`` of it, side by
-side on one GPU, replayed together and measured per copy) through the rollout backend on the GPUs the budget
-found (:func:`profiling_group`: a group whose id starts with
+:func:`reprofile` starts one profiling replica (or the request's ``copies`` of it, side by side
+on one GPU, replayed together and measured per copy) through the rollout backend on the GPUs the
+budget found (:func:`profiling_group`: a group whose id starts with
 :data:`~optimizer.control.reprofile.PROFILING_PREFIX`), waits for it, replays the store's traced
 calls of the model against it with the sweep ``scepsy profile`` runs
 (:func:`optimizer.profiling.profiler.sweep`), keeps the points whose prefix-hit rate matches the
