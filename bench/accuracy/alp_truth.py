@@ -95,9 +95,14 @@ class EvalJob:
 
 
 def sim_allocation(case: Case, alloc: Alloc) -> Allocation:
+    return allocation_on(alloc, case.gpu)
+
+
+def allocation_on(alloc: Alloc, gpu: str) -> Allocation:
+    """``alloc`` as the simulator's allocation on ``gpu`` GPUs."""
     return Allocation(
         tuple(
-            ReplicaSpec(m, case.gpu, tp, share, d)
+            ReplicaSpec(m, gpu, tp, share, d)
             for m, row in alloc.items()
             for d, tp, share in ModelAlloc(*row).groups
         )

@@ -21,20 +21,19 @@ never a list of the bench's own; a key the fitted set measured is never profiled
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from bench.accuracy.alp_plan import _profile_jobs
+from bench.accuracy.alp_truth import allocation_on
 from bench.accuracy.cases import Alloc, Case
-from optimizer.control.reprofile import WantedKey, packed_run, uncovered
-from optimizer.model.alp import ModelAlloc
+from optimizer.control.reprofile import WantedKey, packed_run, uncovered, with_copies
 from optimizer.model.curves import ProfileBook
 from optimizer.stats.figures import WorkflowStats
 from shared.optimizer_settings import ReprofileSettings
 from shared.profile_points import ProfileKey
-from sim.cluster import Allocation, ReplicaSpec, place
+from sim.cluster import place
 from sim.profiling import ProfileJob
 
 __all__ = ["reprofile_jobs", "wanted"]
@@ -44,21 +43,13 @@ def wanted(allocations: Iterable[Alloc], gpu_type: str) -> list[WantedKey]:
     """The distinct (model, GPU type, TP, share) keys ``allocations`` place replicas at, each
     with the most copies of it the simulator's placement (``sim.cluster.place``, where the
     bench predicts and simulates an allocation) puts on one GPU."""
-    copies: dict[WantedKey, int] = {}
-    for alloc in allocations:
-        specs = tuple(
-            ReplicaSpec(model, gpu_type, tp, share, count)
-            for model, row in alloc.items()
-            for count, tp, share in ModelAlloc(*row).groups
+    return list(
+        with_copies(
+            (WantedKey(spec.model, gpu_type, spec.tp, round(spec.share, 6)), (n, gpus))
+            for n, alloc in enumerate(allocations)
+            for spec, gpus in place(allocation_on(alloc, gpu_type))
         )
-        on_gpu = Counter(
-            (WantedKey(spec.model, gpu_type, spec.tp, round(spec.share, 6)), gpus)
-            for spec, gpus in place(Allocation(specs))
-        )
-        for (key, _), n in on_gpu.items():
-            copies[key] = max(n, copies.get(key, 1))
-    keys = {replace(k, copies=n) for k, n in copies.items()}
-    return sorted(keys, key=lambda k: (k.model, k.tp, k.share))
+    )
 
 
 def reprofile_jobs(

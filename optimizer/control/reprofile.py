@@ -37,7 +37,8 @@ order above, then by model and key); a request never names a model outside ``ser
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -65,6 +66,7 @@ __all__ = [
     "triggers",
     "uncovered",
     "wanted_keys",
+    "with_copies",
 ]
 
 ReprofileReason = Literal["no_profile", "uncovered", "drift"]
@@ -157,16 +159,23 @@ def wanted_keys(placement: Placement | None, gpu_types: Mapping[str, str]) -> tu
     """The distinct keys ``placement`` puts replicas at (sorted)."""
     if placement is None:
         return ()
-    on_gpu: dict[tuple[WantedKey, str, int], int] = {}
-    for r in placement.replicas:
-        k = WantedKey(r.demand.model, gpu_types.get(r.node, ""), len(r.gpus), round(r.share, 6))
-        for g in r.gpus:
-            on_gpu[(k, r.node, g)] = on_gpu.get((k, r.node, g), 0) + 1
+    return with_copies(
+        (
+            WantedKey(r.demand.model, gpu_types.get(r.node, ""), len(r.gpus), round(r.share, 6)),
+            (r.node, g),
+        )
+        for r in placement.replicas
+        for g in r.gpus
+    )
+
+
+def with_copies(on_gpus: Iterable[tuple[WantedKey, Hashable]]) -> tuple[WantedKey, ...]:
+    """The distinct keys of ``(key, gpu)`` pairs, one per replica and GPU it spans, each with
+    ``copies`` the most replicas of it on one GPU (sorted)."""
     copies: dict[WantedKey, int] = {}
-    for (k, _, _), n in on_gpu.items():
+    for (k, _), n in Counter(on_gpus).items():
         copies[k] = max(n, copies.get(k, 1))
-    keys = {replace(k, copies=n) for k, n in copies.items()}
-    return tuple(sorted(keys, key=_key_order))
+    return tuple(sorted((replace(k, copies=n) for k, n in copies.items()), key=_key_order))
 
 
 def _key_order(k: WantedKey) -> tuple[str, str, int, float, int]:
@@ -231,11 +240,7 @@ def uncovered(
         and key.share < 1.0 - 1e-6
         # measured at this very share (alone): a packed-only key would be read packed alone too
         and any(abs(p.share - key.share) < 1e-6 for p in same)
-        and not any(
-            (p.model, p.gpu_type, p.tp) == (key.model, key.gpu_type, key.tp)
-            and abs(p.share - key.share) < 1e-6
-            for p in packed
-        )
+        and not any(p in packed and abs(p.share - key.share) < 1e-6 for p in same)
     ):
         return (
             f"the proposal packs {key.copies} copies of {key.model} at share {key.share:g} "
